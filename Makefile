@@ -1,0 +1,66 @@
+# Tandem: the commands a user and CI run. See README.md and docs/building.md.
+#
+#   make deps    install the Debian packages Tandem needs (idempotent)
+#   make build   configure and build into build/ (BUILD_TYPE=RelWithDebInfo)
+#   make test    deps + build + the whole test suite
+#   make demo    start a local cluster with `tandem run`
+#   make bench   the benchmarks, beside the baselines measured in the same run
+#   make clean   remove the build trees
+#
+# Variables: BUILD_TYPE (Debug, Release, RelWithDebInfo), BUILD_DIR, CUDA
+# (AUTO, ON, OFF: the GPU backend), SANITIZE (address,undefined | thread),
+# CMAKE_FLAGS (more -D options), CTEST_FLAGS.
+
+BUILD_TYPE ?= RelWithDebInfo
+BUILD_DIR  ?= build
+CUDA       ?= AUTO
+SANITIZE   ?=
+CMAKE_FLAGS ?=
+CTEST_FLAGS ?=
+JOBS       ?= $(shell nproc)
+
+CONFIGURE = cmake -S . -B $(BUILD_DIR) -G Ninja -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) \
+	-DTANDEM_WITH_CUDA=$(CUDA) -DTANDEM_SANITIZE=$(SANITIZE) $(CMAKE_FLAGS)
+
+.PHONY: all deps build test demo bench clean test-asan test-tsan format format-check tidy
+
+all: build
+
+deps:
+	@scripts/deps.sh
+
+build: deps
+	@$(CONFIGURE) > /dev/null
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure --timeout 300 -j $(JOBS) $(CTEST_FLAGS)
+
+# The same suite under AddressSanitizer and UndefinedBehaviorSanitizer (CUDA
+# code is not instrumented, so the GPU backend is left out of this build).
+test-asan:
+	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=Debug CUDA=OFF SANITIZE=address,undefined
+
+# ThreadSanitizer, for the concurrent parts.
+test-tsan:
+	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=Debug CUDA=OFF SANITIZE=thread CTEST_FLAGS="-L concurrency"
+
+demo: build
+	$(BUILD_DIR)/bin/tandem run --servers 2 --workers 2
+
+bench: build
+	@scripts/bench.sh $(BUILD_DIR)
+
+clean:
+	rm -rf build build-asan build-tsan
+
+FORMAT_FILES = $(shell git ls-files '*.cc' '*.h' '*.cu' '*.proto')
+
+format:
+	clang-format -i $(FORMAT_FILES)
+
+format-check:
+	clang-format --dry-run -Werror $(FORMAT_FILES)
+
+tidy: build
+	clang-tidy -p $(BUILD_DIR) --quiet $(shell git ls-files '*.cc' | grep -v '^tests/')

@@ -1,0 +1,81 @@
+#include "cli/launcher.h"
+
+#include <unistd.h>
+
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <yaml-cpp/yaml.h>
+
+namespace tandem::cli {
+
+Result<ReadyInfo> ReadReadyFile(const std::string& path) {
+  try {
+    const YAML::Node node = YAML::LoadFile(path);  // the ready file is JSON, which YAML reads
+    ReadyInfo info;
+    info.name = node["name"].as<std::string>();
+    info.role = node["role"].as<std::string>();
+    info.pid = node["pid"].as<int>();
+    info.grpc_address = node["grpc_address"].as<std::string>();
+    info.metrics_address = node["metrics_address"].as<std::string>();
+    return info;
+  } catch (const YAML::Exception& e) {
+    return InvalidArgument("ready file '{}' is not valid: {}", path, e.what());
+  }
+}
+
+std::string TailOfFile(const std::string& path, int lines) {
+  std::ifstream in(path);
+  std::deque<std::string> tail;
+  for (std::string line; std::getline(in, line);) {
+    tail.push_back(line);
+    if (static_cast<int>(tail.size()) > lines) tail.pop_front();
+  }
+  std::string out;
+  for (const auto& l : tail) out += "    | " + l + "\n";
+  return out;
+}
+
+std::string ExecutableDir() {
+  std::error_code ec;
+  const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
+  LaunchedDaemon d;
+  d.name = spec.name;
+  d.log_file = spec.work_dir + "/" + spec.name + ".log";
+  const std::string ready_file = spec.work_dir + "/" + spec.name + ".ready.json";
+  std::remove(ready_file.c_str());
+  SpawnOptions options;
+  options.argv = {spec.binary,       "--name",         spec.name,   "--listen-address", "127.0.0.1:0",
+                  "--metrics-address", "127.0.0.1:0", "--ready-file", ready_file};
+  options.argv.insert(options.argv.end(), spec.args.begin(), spec.args.end());
+  options.output_file = d.log_file;
+  TANDEM_ASSIGN_OR_RETURN(d.process, Subprocess::Spawn(options));
+
+  const auto deadline = std::chrono::steady_clock::now() + spec.startup_timeout;
+  while (true) {
+    if (access(ready_file.c_str(), R_OK) == 0) {
+      auto ready = ReadReadyFile(ready_file);
+      if (!ready.ok()) return ready.status();
+      d.ready = *ready;
+      return d;
+    }
+    if (!d.process->Running()) {
+      auto exit = d.process->Wait(std::chrono::milliseconds(0));
+      return Unavailable("{} exited during start-up ({}); the end of {}:\n{}", spec.name,
+                         exit.ok() ? exit->ToString() : "unknown", d.log_file, TailOfFile(d.log_file, 15));
+    }
+    if (std::chrono::steady_clock::now() > deadline) {
+      return DeadlineExceeded("{} did not start serving within {} ms; the end of {}:\n{}", spec.name,
+                              spec.startup_timeout.count(), d.log_file, TailOfFile(d.log_file, 15));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,58 @@
+// Starting Tandem daemons as child processes and waiting until they serve:
+// used by `tandem run` and by the multi-process tests.
+//
+// A daemon is started with --ready-file; it writes that file (JSON) once its
+// gRPC and metrics endpoints are up, with the addresses it actually bound, so
+// daemons can listen on port 0 and launchers learn the ports without races.
+//
+// Thread safety: not thread-safe.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/grpc_util.h"
+#include "common/process.h"
+#include "common/status.h"
+
+namespace tandem::cli {
+
+struct ReadyInfo {
+  std::string name;
+  std::string role;
+  int pid = 0;
+  std::string grpc_address;
+  std::string metrics_address;
+};
+
+Result<ReadyInfo> ReadReadyFile(const std::string& path);
+
+struct LaunchSpec {
+  std::string binary;               // path of tandem-coordinator, tandem-server or tandem-worker
+  std::string name;                 // instance name ("server-0")
+  std::vector<std::string> args;    // extra flags
+  std::string work_dir;             // log and ready files go here
+  std::chrono::milliseconds startup_timeout{20000};
+};
+
+struct LaunchedDaemon {
+  std::string name;
+  std::string log_file;
+  std::unique_ptr<Subprocess> process;
+  ReadyInfo ready;
+};
+
+// Starts the daemon listening on 127.0.0.1 port 0 for gRPC and metrics, and
+// waits for its ready file. If it exits or times out first, the error quotes
+// the end of its log.
+Result<LaunchedDaemon> Launch(const LaunchSpec& spec);
+
+// The last `lines` lines of a file (for error messages).
+std::string TailOfFile(const std::string& path, int lines);
+
+// The directory holding the running executable (where the daemons are installed next to `tandem`).
+std::string ExecutableDir();
+
+}  // namespace tandem::cli

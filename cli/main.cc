@@ -1,0 +1,44 @@
+// tandem: the command-line tool of Tandem.
+#include <cstdio>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "tandem/config.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(tandem {}: command-line tool of Tandem, the parameter-server plus all-reduce training service
+
+Usage: tandem COMMAND [flags]
+
+Commands:
+  run        start a local cluster (coordinator, servers, workers) on this machine
+  health     ask a daemon's gRPC health service whether it is serving
+  version    print the version
+
+Run 'tandem COMMAND --help' for a command's flags.
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // Progress lines appear as they happen, also when piped to a file or `tee`.
+  setvbuf(stdout, nullptr, _IOLBF, 0);
+  if (argc < 2 || std::strcmp(argv[1], "--help") == 0 || std::strcmp(argv[1], "-h") == 0 ||
+      std::strcmp(argv[1], "help") == 0) {
+    fmt::print(kUsage, TANDEM_VERSION);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string command = argv[1];
+  if (command == "version" || command == "--version") {
+    fmt::print("tandem {} ({}{})\n", TANDEM_VERSION, TANDEM_BUILD_TYPE, TANDEM_CUDA_ENABLED ? ", CUDA" : "");
+    return 0;
+  }
+  // Each command parses argv[1..]: its own name stands where the program name would.
+  if (command == "run") return tandem::cli::RunCommand(argc - 1, argv + 1);
+  if (command == "health") return tandem::cli::HealthCommand(argc - 1, argv + 1);
+  fmt::print(stderr, "tandem: unknown command '{}' (run tandem --help to list the commands)\n", command);
+  return 2;
+}

@@ -1,0 +1,150 @@
+#include "common/daemon.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "common/health.h"
+#include "common/logging.h"
+#include "tandem/config.h"
+
+namespace tandem {
+
+void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config) {
+  options.String("name", &config->name, "instance name used in logs and the ready file");
+  options.Address("listen_address", &config->listen_address, "gRPC address to serve on (port 0: any free port)");
+  options.Address("metrics_address", &config->metrics_address,
+                  "address of the Prometheus /metrics endpoint (port 0: any free port)");
+  options.Bytes("max_message_bytes", &config->max_message_bytes, "largest gRPC message accepted or sent", 4096,
+                1ull << 30);
+  options.Duration("shutdown_grace", &config->shutdown_grace,
+                   "how long calls in flight may finish after SIGTERM", std::chrono::milliseconds(0),
+                   std::chrono::milliseconds(4000));
+  options.Choice("log.level", &config->log_level, LogLevels(), "least severe log level printed");
+  options.String("ready_file", &config->ready_file,
+                 "file written (JSON) once serving, with the bound addresses; removed at exit");
+  DeclareTlsOptions(options, &config->tls);
+}
+
+Daemon::Daemon(std::string role, DaemonConfig config)
+    : role_(std::move(role)), config_(std::move(config)), registry_(std::make_shared<prometheus::Registry>()) {
+  if (config_.name.empty()) config_.name = role_;
+}
+
+Daemon::~Daemon() { Stop(); }
+
+void Daemon::AddService(std::string full_name, grpc::Service* service) {
+  services_.push_back({std::move(full_name), service});
+}
+
+Status Daemon::Start() {
+  TANDEM_ASSIGN_OR_RETURN(metrics_, MetricsServer::Start(config_.metrics_address, role_, registry_));
+  GrpcServerConfig grpc_config;
+  grpc_config.listen_address = config_.listen_address;
+  grpc_config.max_message_bytes = config_.max_message_bytes;
+  grpc_config.tls = config_.tls;
+  TANDEM_ASSIGN_OR_RETURN(grpc_, GrpcServer::Start(grpc_config, services_));
+  grpc_->SetHealth(kReadyService, ready_);
+  spdlog::info("serving gRPC on {} ({}), metrics on http://{}/metrics", grpc_->address(),
+               config_.tls.ServerEnabled() ? (config_.tls.require_client_cert ? "mutual TLS" : "TLS") : "plaintext",
+               metrics_->address());
+  return Status::Ok();
+}
+
+void Daemon::SetReady(bool ready) {
+  if (ready == ready_) return;
+  ready_ = ready;
+  if (grpc_ != nullptr) grpc_->SetHealth(kReadyService, ready);
+  spdlog::info("{}", ready ? "ready" : "not ready");
+}
+
+Status Daemon::WriteReadyFile() const {
+  if (config_.ready_file.empty() || grpc_ == nullptr) return Status::Ok();
+  // JSON, written to a temporary name and renamed, so readers never see half a file.
+  const std::string tmp = config_.ready_file + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) return Unavailable("ready_file: cannot write '{}'", tmp);
+    out << fmt::format(R"({{"name": "{}", "role": "{}", "pid": {}, "grpc_address": "{}", "metrics_address": "{}"}})",
+                       config_.name, role_, getpid(), grpc_->address(), metrics_->address())
+        << "\n";
+    if (!out.flush()) return Unavailable("ready_file: cannot write '{}'", tmp);
+  }
+  if (std::rename(tmp.c_str(), config_.ready_file.c_str()) != 0) {
+    return Unavailable("ready_file: cannot rename '{}' to '{}'", tmp, config_.ready_file);
+  }
+  return Status::Ok();
+}
+
+void Daemon::Stop() {
+  if (grpc_ != nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc_->Shutdown(config_.shutdown_grace);
+    grpc_.reset();
+    spdlog::debug("gRPC server stopped in {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                        std::chrono::steady_clock::now() - t0).count());
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+  metrics_.reset();
+  spdlog::debug("metrics endpoint stopped in {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                         std::chrono::steady_clock::now() - t1).count());
+  if (!config_.ready_file.empty()) std::remove(config_.ready_file.c_str());
+}
+
+const std::string& Daemon::grpc_address() const { return grpc_->address(); }
+const std::string& Daemon::metrics_address() const { return metrics_->address(); }
+
+int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
+  // First, before any thread exists, so every thread inherits the blocked signals.
+  ShutdownSignal shutdown;
+
+  DaemonConfig config = spec.defaults;
+  OptionSet options(spec.program, spec.summary);
+  options.EnableConfigFile();
+  DeclareDaemonOptions(options, &config);
+  if (spec.declare) spec.declare(options);
+  options.SetEpilog(spec.epilog);
+  std::string output;
+  auto parsed = options.Parse(argc, argv, &output);
+  if (!parsed.ok()) {
+    fmt::print(stderr, "{}: {}\n", spec.program, parsed.status().message());
+    return 2;
+  }
+  if (*parsed == OptionSet::Outcome::kExit) {
+    fmt::print("{}", output);
+    return 0;
+  }
+  if (Status s = SetupLogging(config.name.empty() ? spec.role : config.name, config.log_level); !s.ok()) {
+    fmt::print(stderr, "{}: {}\n", spec.program, s.message());
+    return 2;
+  }
+  spdlog::info("{} {} starting (pid {})", spec.program, TANDEM_VERSION, getpid());
+
+  Daemon daemon(spec.role, config);
+  const auto fail = [&](const Status& s, std::string_view what) {
+    spdlog::error("{}: {}", what, s.message());
+    daemon.Stop();
+    return 1;
+  };
+  if (spec.setup) {
+    if (Status s = spec.setup(daemon); !s.ok()) return fail(s, "setup failed");
+  }
+  if (Status s = daemon.Start(); !s.ok()) return fail(s, "cannot start");
+  if (spec.started) {
+    if (Status s = spec.started(daemon); !s.ok()) return fail(s, "cannot start");
+  }
+  if (Status s = daemon.WriteReadyFile(); !s.ok()) return fail(s, "cannot start");
+
+  shutdown.Wait();
+  const auto begin = std::chrono::steady_clock::now();
+  if (spec.stopping) spec.stopping(daemon);
+  daemon.Stop();
+  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+  spdlog::info("stopped cleanly in {} ms", took.count());
+  return 0;
+}
+
+}  // namespace tandem

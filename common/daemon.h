@@ -1,0 +1,98 @@
+// What every Tandem daemon shares: its configuration block, a gRPC server
+// with the health service, a Prometheus /metrics endpoint, a ready file for
+// launchers, and a main() that shuts down cleanly on SIGTERM and SIGINT.
+//
+// Life of a daemon (RunDaemon):
+//   parse flags and YAML -> logging -> setup() registers services and metrics
+//   -> /metrics, then gRPC, start serving -> started() -> ready file written
+//   -> wait for SIGTERM/SIGINT -> stopping() -> health NOT_SERVING -> gRPC stops
+//   (calls still running get `shutdown_grace`) -> ready file removed -> exit 0.
+// Exit codes: 0 after a clean shutdown, 1 when the daemon could not start or
+// failed while running, 2 for bad flags or configuration.
+//
+// Thread safety: Daemon is set up and stopped on the main thread; SetReady()
+// and the registry are thread-safe in between (SetReady must not race Stop()).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <prometheus/registry.h>
+
+#include "common/config.h"
+#include "common/grpc_util.h"
+#include "common/metrics.h"
+#include "common/shutdown.h"
+
+namespace tandem {
+
+struct DaemonConfig {
+  std::string name;                    // instance name in logs and the ready file; default: the role
+  std::string listen_address;          // gRPC host:port (port 0: a free one)
+  std::string metrics_address;         // Prometheus host:port (port 0: a free one)
+  uint64_t max_message_bytes = 16ull << 20;
+  std::chrono::milliseconds shutdown_grace{2000};
+  std::string log_level = "info";
+  std::string ready_file;              // written once serving; empty: none
+  TlsConfig tls;
+};
+
+void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config);
+
+class Daemon {
+ public:
+  Daemon(std::string role, DaemonConfig config);
+  ~Daemon();
+
+  const std::string& role() const { return role_; }
+  const DaemonConfig& config() const { return config_; }
+  prometheus::Registry& registry() { return *registry_; }
+  // REQUIRES: called before Start().
+  void AddService(std::string full_name, grpc::Service* service);
+
+  // Starts /metrics and the gRPC server; the health service reports SERVING.
+  Status Start();
+  // Readiness, reported as health service "tandem.ready" (Kubernetes readiness
+  // probes ask for it; liveness asks for ""). Starts out not ready.
+  void SetReady(bool ready);
+  // Writes the ready file (JSON: name, role, pid, grpc and metrics addresses).
+  Status WriteReadyFile() const;
+  // NOT_SERVING, stop gRPC within shutdown_grace, stop /metrics, remove the ready file.
+  void Stop();
+
+  const std::string& grpc_address() const;
+  const std::string& metrics_address() const;
+
+ private:
+  std::string role_;
+  DaemonConfig config_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::vector<GrpcServer::ServiceEntry> services_;
+  std::unique_ptr<MetricsServer> metrics_;
+  std::unique_ptr<GrpcServer> grpc_;
+  std::atomic<bool> ready_{false};
+};
+
+struct DaemonSpec {
+  std::string program;  // "tandem-coordinator"
+  std::string role;     // "coordinator"
+  std::string summary;  // one sentence for --help
+  std::string epilog;   // more text for --help
+  DaemonConfig defaults;
+  // Declares the role's own options (bound to the caller's config struct).
+  std::function<void(OptionSet&)> declare;
+  // Registers services and metrics; runs before the servers start.
+  std::function<Status(Daemon&)> setup;
+  // Runs once serving (start background work here).
+  std::function<Status(Daemon&)> started;
+  // Runs first on shutdown (stop background work here).
+  std::function<void(Daemon&)> stopping;
+};
+
+int RunDaemon(int argc, char** argv, const DaemonSpec& spec);
+
+}  // namespace tandem

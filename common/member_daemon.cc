@@ -1,0 +1,24 @@
+#include "common/member_daemon.h"
+
+namespace tandem {
+
+void MakeMemberSpec(DaemonSpec& spec, std::function<void(OptionSet&)> extra_declare,
+                    std::function<Status(Daemon&)> extra_started) {
+  struct State {
+    CoordinatorLinkConfig config;
+    std::unique_ptr<CoordinatorLink> link;
+  };
+  auto state = std::make_shared<State>();
+  spec.declare = [state, extra_declare](OptionSet& options) {
+    DeclareCoordinatorLinkOptions(options, &state->config);
+    if (extra_declare) extra_declare(options);
+  };
+  spec.started = [state, extra_started](Daemon& daemon) -> Status {
+    if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon));
+    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon));
+    return Status::Ok();
+  };
+  spec.stopping = [state](Daemon&) { state->link.reset(); };
+}
+
+}  // namespace tandem

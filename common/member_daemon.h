@@ -1,0 +1,19 @@
+// The DaemonSpec shared by the members of a job (parameter servers and
+// workers): the coordinator link options, and readiness that follows the
+// coordinator's health.
+#pragma once
+
+#include <functional>
+#include <memory>
+
+#include "common/coordinator_link.h"
+#include "common/daemon.h"
+
+namespace tandem {
+
+// Fills in `spec.declare`, `spec.started` and `spec.stopping` so the member
+// follows its coordinator; `extra_declare` and `extra_started` add the role's own.
+void MakeMemberSpec(DaemonSpec& spec, std::function<void(OptionSet&)> extra_declare,
+                    std::function<Status(Daemon&)> extra_started);
+
+}  // namespace tandem

@@ -1,0 +1,5 @@
+#include "coordinator/coordinator_daemon.h"
+
+int main(int argc, char** argv) {
+  return tandem::RunDaemon(argc, argv, tandem::coordinator::MakeDaemonSpec());
+}

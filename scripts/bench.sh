@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# make bench: the benchmarks, with the baselines measured in the same run.
+#
+# Installs the benchmark-only packages (Open MPI, Debian's python3-torch for
+# gloo), then measures the baselines of ../shared/baselines (memory bandwidth,
+# Open MPI MPI_Allreduce, torch.distributed gloo, ucx_perftest) on this machine
+# into BUILD_DIR/bench/baselines/RESULTS.md. Tandem's own benchmarks join this
+# run as each lands (see docs/benchmarks.md).
+#
+# Usage: scripts/bench.sh [BUILD_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD_DIR="${1:-build}"
+BASELINES="${TANDEM_BASELINES:-$(cd .. && pwd)/shared/baselines}"
+OUT="$BUILD_DIR/bench"
+
+BENCH_PACKAGES=(openmpi-bin libopenmpi-dev python3-torch ucx-utils util-linux gcc)
+missing=()
+for p in "${BENCH_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  echo "bench: installing ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ ! -f "$BASELINES/run.sh" ]; then
+  echo "bench: no baseline scripts at $BASELINES (set TANDEM_BASELINES to their folder)" >&2
+  exit 1
+fi
+mkdir -p "$OUT/baselines"
+echo "bench: measuring the baselines into $OUT/baselines (about 2 minutes)"
+OUT_DIR="$(pwd)/$OUT/baselines" BUILD_DIR="$(pwd)/$OUT/baselines-build" bash "$BASELINES/run.sh"
+echo
+echo "bench: baselines written to $OUT/baselines/RESULTS.md"
+echo "bench: Tandem's collective, parameter-server and training benchmarks are not built yet;"
+echo "       they will run here, beside these baselines, as they land (docs/benchmarks.md)."

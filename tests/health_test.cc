@@ -1,0 +1,114 @@
+// The health service and the health watcher, in one process with real gRPC
+// on loopback (labelled "concurrency": these run under ThreadSanitizer too).
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "common/grpc_util.h"
+#include "common/health.h"
+#include "common/shutdown.h"
+
+namespace tandem {
+namespace {
+
+using std::chrono::milliseconds;
+
+std::unique_ptr<GrpcServer> StartServer() {
+  GrpcServerConfig config;
+  config.listen_address = "127.0.0.1:0";
+  auto server = GrpcServer::Start(config, {});
+  EXPECT_TRUE(server.ok()) << server.status().ToString();
+  return server.ok() ? std::move(*server) : nullptr;
+}
+
+TEST(HealthTest, CheckReportsEachServiceAndUnknownOnes) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  auto channel = MakeChannel(server->address(), TlsConfig{});
+  ASSERT_TRUE(channel.ok());
+  EXPECT_EQ(*CheckHealth(*channel, "", milliseconds(5000)), "SERVING");
+  EXPECT_EQ(*CheckHealth(*channel, "no.such.Service", milliseconds(5000)), "SERVICE_UNKNOWN");
+  server->SetHealth(kReadyService, false);
+  EXPECT_EQ(*CheckHealth(*channel, kReadyService, milliseconds(5000)), "NOT_SERVING");
+  server->SetHealth(kReadyService, true);
+  EXPECT_EQ(*CheckHealth(*channel, kReadyService, milliseconds(5000)), "SERVING");
+}
+
+TEST(HealthTest, WatchStreamsChangesAndEndsAtShutdown) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  server->SetHealth(kReadyService, false);
+  auto channel = MakeChannel(server->address(), TlsConfig{});
+  ASSERT_TRUE(channel.ok());
+  auto stub = grpc::health::v1::Health::NewStub(*channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(kReadyService);
+  auto reader = stub->Watch(&ctx, request);
+  grpc::health::v1::HealthCheckResponse response;
+  ASSERT_TRUE(reader->Read(&response));
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  server->SetHealth(kReadyService, true);
+  ASSERT_TRUE(reader->Read(&response));
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::thread stopper([&] { server->Shutdown(milliseconds(2000)); });
+  ASSERT_TRUE(reader->Read(&response));
+  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  while (reader->Read(&response)) {
+  }
+  EXPECT_TRUE(reader->Finish().ok());
+  stopper.join();
+}
+
+TEST(HealthTest, WatcherFollowsAServerGoingAwayAndComingBack) {
+  auto server = StartServer();
+  ASSERT_NE(server, nullptr);
+  const std::string address = server->address();
+  auto channel = MakeChannel(address, TlsConfig{});
+  ASSERT_TRUE(channel.ok());
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<bool> changes;
+  HealthWatcher watcher(*channel, milliseconds(50), [&](bool serving, const std::string&) {
+    std::lock_guard<std::mutex> lock(mu);
+    changes.push_back(serving);
+    cv.notify_all();
+  });
+  const auto wait_for = [&](size_t n) {
+    std::unique_lock<std::mutex> lock(mu);
+    return cv.wait_for(lock, std::chrono::seconds(20), [&] { return changes.size() >= n; });
+  };
+  ASSERT_TRUE(wait_for(1));
+  server->Shutdown(milliseconds(0));
+  server.reset();
+  ASSERT_TRUE(wait_for(2));
+  GrpcServerConfig config;
+  config.listen_address = address;  // the same port again
+  auto again = GrpcServer::Start(config, {});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  ASSERT_TRUE(wait_for(3));
+  std::lock_guard<std::mutex> lock(mu);
+  EXPECT_EQ(changes, (std::vector<bool>{true, false, true}));
+}
+
+TEST(HealthTest, UnreachableDaemonIsAnErrorNotAHang) {
+  auto channel = MakeChannel("127.0.0.1:1", TlsConfig{});
+  ASSERT_TRUE(channel.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = CheckHealth(*channel, "", milliseconds(500));
+  EXPECT_FALSE(r.ok());
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
+}
+
+TEST(ShutdownSignalTest, RequestShutdownWakesWaiters) {
+  ShutdownSignal shutdown;
+  EXPECT_EQ(shutdown.WaitFor(milliseconds(10)), -1);
+  std::thread t([&] { shutdown.RequestShutdown(); });
+  EXPECT_EQ(shutdown.Wait(), 0);
+  EXPECT_TRUE(shutdown.requested());
+  t.join();
+}
+
+}  // namespace
+}  // namespace tandem

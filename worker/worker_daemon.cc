@@ -1,0 +1,43 @@
+#include "worker/worker_daemon.h"
+
+#include <prometheus/gauge.h>
+#include <spdlog/spdlog.h>
+
+#include "common/member_daemon.h"
+#include "worker/nccl/gpu_info.h"
+
+namespace tandem::worker {
+
+DaemonSpec MakeDaemonSpec() {
+  DaemonSpec spec;
+  spec.program = "tandem-worker";
+  spec.role = "worker";
+  spec.summary = "a Tandem worker: one training rank (collectives, model parallelism, the hybrid step)";
+  spec.defaults.listen_address = "0.0.0.0:7600";
+  spec.defaults.metrics_address = "0.0.0.0:9600";
+  spec.epilog =
+      "The worker follows the coordinator at --coordinator-address: it stays up while the coordinator is\n"
+      "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
+  MakeMemberSpec(spec, nullptr, [](Daemon& daemon) -> Status {
+    const gpu::GpuInfo info = gpu::Probe();
+    spdlog::info("GPU backend: {}", gpu::Describe(info));
+    int usable = 0;
+    for (int d = 0; d < info.device_count; ++d) {
+      if (Status s = gpu::SelfCheck(d); !s.ok()) {
+        spdlog::error("{}", s.message());
+      } else {
+        ++usable;
+      }
+    }
+    prometheus::BuildGauge()
+        .Name("tandem_worker_gpus")
+        .Help("GPUs this worker can use: visible and passing the start-up self-check.")
+        .Register(daemon.registry())
+        .Add({})
+        .Set(usable);
+    return Status::Ok();
+  });
+  return spec;
+}
+
+}  // namespace tandem::worker
