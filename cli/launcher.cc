@@ -51,7 +51,7 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
   const std::string ready_file = spec.work_dir + "/" + spec.name + ".ready.json";
   std::remove(ready_file.c_str());
   SpawnOptions options;
-  options.argv = {spec.binary,       "--name",         spec.name,   "--listen-address", "127.0.0.1:0",
+  options.argv = {spec.binary,         "--name",      spec.name,      "--listen-address", "127.0.0.1:0",
                   "--metrics-address", "127.0.0.1:0", "--ready-file", ready_file};
   options.argv.insert(options.argv.end(), spec.args.begin(), spec.args.end());
   options.output_file = d.log_file;

@@ -30,10 +30,10 @@ struct ReadyInfo {
 Result<ReadyInfo> ReadReadyFile(const std::string& path);
 
 struct LaunchSpec {
-  std::string binary;               // path of tandem-coordinator, tandem-server or tandem-worker
-  std::string name;                 // instance name ("server-0")
-  std::vector<std::string> args;    // extra flags
-  std::string work_dir;             // log and ready files go here
+  std::string binary;             // path of tandem-coordinator, tandem-server or tandem-worker
+  std::string name;               // instance name ("server-0")
+  std::vector<std::string> args;  // extra flags
+  std::string work_dir;           // log and ready files go here
   std::chrono::milliseconds startup_timeout{20000};
 };
 

@@ -9,7 +9,8 @@
 
 namespace {
 
-constexpr const char* kUsage = R"(tandem {}: command-line tool of Tandem, the parameter-server plus all-reduce training service
+constexpr const char* kUsage =
+    R"(tandem {}: command-line tool of Tandem, the parameter-server plus all-reduce training service
 
 Usage: tandem COMMAND [flags]
 

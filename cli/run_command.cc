@@ -30,7 +30,9 @@ struct RunConfig {
   std::string log_level = "info";
 };
 
-double Seconds(std::chrono::steady_clock::duration d) { return std::chrono::duration<double>(d).count(); }
+double Seconds(std::chrono::steady_clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
 
 // Counts the samples (non-comment lines) of a Prometheus text page.
 int CountSamples(const std::string& page) {
@@ -61,7 +63,8 @@ bool StopAll(std::vector<LaunchedDaemon>& members) {
       clean = false;
       return;
     }
-    fmt::print("  {:<14} {} after {:.2f} s\n", m.name, exit->ToString(), Seconds(std::chrono::steady_clock::now() - since));
+    fmt::print("  {:<14} {} after {:.2f} s\n", m.name, exit->ToString(),
+               Seconds(std::chrono::steady_clock::now() - since));
     if (!exit->success()) {
       clean = false;
       fmt::print("  the end of {}:\n{}", m.log_file, TailOfFile(m.log_file, 10));
@@ -124,8 +127,7 @@ int RunCommand(int argc, char** argv) {
              config.workers, config.work_dir);
   const auto t_start = std::chrono::steady_clock::now();
   std::vector<LaunchedDaemon> members;
-  const auto launch = [&](const std::string& binary, const std::string& name,
-                          std::vector<std::string> args) -> Status {
+  const auto launch = [&](const std::string& binary, const std::string& name, std::vector<std::string> args) -> Status {
     LaunchSpec spec;
     spec.binary = config.bin_dir + "/" + binary;
     spec.name = name;

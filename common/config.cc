@@ -38,8 +38,7 @@ bool ParseNumber(std::string_view text, double* out) {
   if (errno != 0 || end != buf.c_str() + buf.size() || !std::isfinite(v)) return false;
   // strtod accepts hex and "inf"; accept only plain decimals.
   for (char c : buf) {
-    if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '+' || c == 'e' ||
-          c == 'E')) {
+    if (!(std::isdigit(static_cast<unsigned char>(c)) || c == '.' || c == '-' || c == '+' || c == 'e' || c == 'E')) {
       return false;
     }
   }
@@ -114,8 +113,7 @@ Result<uint64_t> ParseBytes(std::string_view text) {
   text = Trim(text);
   const auto bad = [&] {
     return InvalidArgument(
-        "expected a size in bytes, optionally with a unit (KiB, MiB, GiB, KB, MB, GB), such as 4MiB; got '{}'",
-        text);
+        "expected a size in bytes, optionally with a unit (KiB, MiB, GiB, KB, MB, GB), such as 4MiB; got '{}'", text);
   };
   size_t split = text.size();
   while (split > 0 && std::isalpha(static_cast<unsigned char>(text[split - 1]))) --split;
@@ -123,16 +121,26 @@ Result<uint64_t> ParseBytes(std::string_view text) {
   double number = 0;
   if (!ParseNumber(Trim(text.substr(0, split)), &number) || number < 0) return bad();
   double scale = 0;
-  if (unit.empty() || unit == "b") scale = 1;
-  else if (unit == "kib" || unit == "k") scale = 1024.0;
-  else if (unit == "mib" || unit == "m") scale = 1024.0 * 1024;
-  else if (unit == "gib" || unit == "g") scale = 1024.0 * 1024 * 1024;
-  else if (unit == "tib" || unit == "t") scale = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb") scale = 1e3;
-  else if (unit == "mb") scale = 1e6;
-  else if (unit == "gb") scale = 1e9;
-  else if (unit == "tb") scale = 1e12;
-  else return bad();
+  if (unit.empty() || unit == "b")
+    scale = 1;
+  else if (unit == "kib" || unit == "k")
+    scale = 1024.0;
+  else if (unit == "mib" || unit == "m")
+    scale = 1024.0 * 1024;
+  else if (unit == "gib" || unit == "g")
+    scale = 1024.0 * 1024 * 1024;
+  else if (unit == "tib" || unit == "t")
+    scale = 1024.0 * 1024 * 1024 * 1024;
+  else if (unit == "kb")
+    scale = 1e3;
+  else if (unit == "mb")
+    scale = 1e6;
+  else if (unit == "gb")
+    scale = 1e9;
+  else if (unit == "tb")
+    scale = 1e12;
+  else
+    return bad();
   const double bytes = number * scale;
   if (bytes > 1.8e19 || bytes != std::floor(bytes)) return bad();
   return static_cast<uint64_t>(bytes);
@@ -254,8 +262,7 @@ void OptionSet::Bool(const std::string& key, bool* target, const std::string& he
        [target] { return std::string(*target ? "true" : "false"); }});
 }
 
-void OptionSet::Int(const std::string& key, int64_t* target, const std::string& help, int64_t min,
-                    int64_t max) {
+void OptionSet::Int(const std::string& key, int64_t* target, const std::string& help, int64_t min, int64_t max) {
   Add({key, FlagFor(key), "N", fmt::format("{} ({}..{})", help, min, max), false,
        [target, min, max](std::string_view v) -> Status {
          int64_t n = 0;
@@ -267,8 +274,7 @@ void OptionSet::Int(const std::string& key, int64_t* target, const std::string& 
        [target] { return std::to_string(*target); }});
 }
 
-void OptionSet::Double(const std::string& key, double* target, const std::string& help, double min,
-                       double max) {
+void OptionSet::Double(const std::string& key, double* target, const std::string& help, double min, double max) {
   Add({key, FlagFor(key), "X", fmt::format("{} ({}..{})", help, min, max), false,
        [target, min, max](std::string_view v) -> Status {
          double x = 0;
@@ -282,8 +288,7 @@ void OptionSet::Double(const std::string& key, double* target, const std::string
 
 void OptionSet::Duration(const std::string& key, std::chrono::milliseconds* target, const std::string& help,
                          std::chrono::milliseconds min, std::chrono::milliseconds max) {
-  Add({key, FlagFor(key), "DURATION",
-       fmt::format("{} ({}..{})", help, FormatDuration(min), FormatDuration(max)), false,
+  Add({key, FlagFor(key), "DURATION", fmt::format("{} ({}..{})", help, FormatDuration(min), FormatDuration(max)), false,
        [target, min, max](std::string_view v) -> Status {
          auto d = ParseDuration(v);
          if (!d.ok()) return d.status();
@@ -297,10 +302,8 @@ void OptionSet::Duration(const std::string& key, std::chrono::milliseconds* targ
        [target] { return FormatDuration(*target); }});
 }
 
-void OptionSet::Bytes(const std::string& key, uint64_t* target, const std::string& help, uint64_t min,
-                      uint64_t max) {
-  Add({key, FlagFor(key), "SIZE", fmt::format("{} ({}..{})", help, FormatBytes(min), FormatBytes(max)),
-       false,
+void OptionSet::Bytes(const std::string& key, uint64_t* target, const std::string& help, uint64_t min, uint64_t max) {
+  Add({key, FlagFor(key), "SIZE", fmt::format("{} ({}..{})", help, FormatBytes(min), FormatBytes(max)), false,
        [target, min, max](std::string_view v) -> Status {
          auto b = ParseBytes(v);
          if (!b.ok()) return b.status();
@@ -329,8 +332,7 @@ void OptionSet::Choice(const std::string& key, std::string* target, std::vector<
        [target] { return *target; }});
 }
 
-void OptionSet::Address(const std::string& key, std::string* target, const std::string& help,
-                        bool allow_empty) {
+void OptionSet::Address(const std::string& key, std::string* target, const std::string& help, bool allow_empty) {
   Add({key, FlagFor(key), "HOST:PORT", allow_empty ? help + " (empty: off)" : help, false,
        [target, allow_empty](std::string_view v) -> Status {
          const std::string value(Trim(v));
@@ -346,14 +348,17 @@ void OptionSet::Address(const std::string& key, std::string* target, const std::
        [target] { return *target; }});
 }
 
-void OptionSet::Positional(const std::string& name, std::string* target, const std::string& help,
-                           bool required) {
+void OptionSet::Positional(const std::string& name, std::string* target, const std::string& help, bool required) {
   positionals_.push_back({name, target, help, required});
 }
 
-void OptionSet::EnableConfigFile() { config_file_enabled_ = true; }
+void OptionSet::EnableConfigFile() {
+  config_file_enabled_ = true;
+}
 
-void OptionSet::AddCheck(std::function<Status()> check) { checks_.push_back(std::move(check)); }
+void OptionSet::AddCheck(std::function<Status()> check) {
+  checks_.push_back(std::move(check));
+}
 
 Status OptionSet::Set(std::string_view key, std::string_view value) {
   const Option* o = FindByKey(key);
@@ -373,8 +378,8 @@ Status OptionSet::ApplyYaml(std::string_view yaml_text, std::string_view origin)
     return InvalidArgument("{}: the configuration must be a map of keys to values", Location(origin, root.Mark()));
   }
   // Walks maps depth-first, turning nesting into dotted keys.
-  std::function<Status(const YAML::Node&, const std::string&)> walk =
-      [&](const YAML::Node& map, const std::string& prefix) -> Status {
+  std::function<Status(const YAML::Node&, const std::string&)> walk = [&](const YAML::Node& map,
+                                                                          const std::string& prefix) -> Status {
     for (const auto& entry : map) {
       std::string name;
       try {
@@ -386,9 +391,8 @@ Status OptionSet::ApplyYaml(std::string_view yaml_text, std::string_view origin)
       const YAML::Node& value = entry.second;
       const std::string where = Location(origin, entry.first.Mark());
       if (value.IsMap()) {
-        const bool known_section = std::any_of(options_.begin(), options_.end(), [&](const Option& o) {
-          return o.key.rfind(key + ".", 0) == 0;
-        });
+        const bool known_section = std::any_of(options_.begin(), options_.end(),
+                                               [&](const Option& o) { return o.key.rfind(key + ".", 0) == 0; });
         if (!known_section) return InvalidArgument("{}: unknown section '{}'{}", where, key, Suggest(key, false));
         TANDEM_RETURN_IF_ERROR(walk(value, key));
         continue;
@@ -507,8 +511,7 @@ std::string OptionSet::Help() const {
     for (const auto& p : positionals_) text += fmt::format("  {:<30} {}\n", p.name, p.help);
   }
   if (!options_.empty()) {
-    text += config_file_enabled_ ? "\nFlags (each is also a key of the YAML file, shown in brackets):\n"
-                                 : "\nFlags:\n";
+    text += config_file_enabled_ ? "\nFlags (each is also a key of the YAML file, shown in brackets):\n" : "\nFlags:\n";
     for (const auto& o : options_) {
       const std::string left = o.is_bool ? "--" + o.flag : fmt::format("--{} {}", o.flag, o.value_name);
       const std::string current = o.get();

@@ -28,8 +28,8 @@ namespace tandem {
 // Parsers shared by flags, YAML and other inputs. Each error message says what
 // form is accepted.
 Result<std::chrono::milliseconds> ParseDuration(std::string_view text);  // "500ms", "3s", "1.5m", "2h"
-Result<uint64_t> ParseBytes(std::string_view text);  // "4096", "4KiB", "64MiB", "1GB"
-Result<bool> ParseBool(std::string_view text);       // true/false, yes/no, on/off, 1/0
+Result<uint64_t> ParseBytes(std::string_view text);                      // "4096", "4KiB", "64MiB", "1GB"
+Result<bool> ParseBool(std::string_view text);                           // true/false, yes/no, on/off, 1/0
 std::string FormatDuration(std::chrono::milliseconds d);
 std::string FormatBytes(uint64_t bytes);
 
@@ -55,16 +55,12 @@ class OptionSet {
   void Double(const std::string& key, double* target, const std::string& help, double min, double max);
   void Duration(const std::string& key, std::chrono::milliseconds* target, const std::string& help,
                 std::chrono::milliseconds min, std::chrono::milliseconds max);
-  void Bytes(const std::string& key, uint64_t* target, const std::string& help, uint64_t min,
-             uint64_t max);
-  void Choice(const std::string& key, std::string* target, std::vector<std::string> choices,
-              const std::string& help);
+  void Bytes(const std::string& key, uint64_t* target, const std::string& help, uint64_t min, uint64_t max);
+  void Choice(const std::string& key, std::string* target, std::vector<std::string> choices, const std::string& help);
   // host:port; `allow_empty` lets the empty string mean "off".
-  void Address(const std::string& key, std::string* target, const std::string& help,
-               bool allow_empty = false);
+  void Address(const std::string& key, std::string* target, const std::string& help, bool allow_empty = false);
   // A positional argument (CLI commands only; not a YAML key).
-  void Positional(const std::string& name, std::string* target, const std::string& help,
-                  bool required);
+  void Positional(const std::string& name, std::string* target, const std::string& help, bool required);
 
   // Adds --config FILE (and --check-config) to this set.
   void EnableConfigFile();
@@ -93,8 +89,8 @@ class OptionSet {
  private:
   struct Option {
     std::string key;
-    std::string flag;       // without the leading "--"
-    std::string value_name; // HOST:PORT, DURATION, …
+    std::string flag;        // without the leading "--"
+    std::string value_name;  // HOST:PORT, DURATION, …
     std::string help;
     bool is_bool = false;
     std::function<Status(std::string_view)> set;

@@ -11,8 +11,7 @@ void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* co
                    std::chrono::milliseconds(60000));
 }
 
-Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config,
-                                                                Daemon& daemon) {
+Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon) {
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink());
   TANDEM_ASSIGN_OR_RETURN(link->channel_,
                           MakeChannel(config.address, daemon.config().tls, daemon.config().max_message_bytes));

@@ -21,8 +21,8 @@
 namespace tandem {
 
 struct CoordinatorLinkConfig {
-  std::string address = "127.0.0.1:7400";            // the coordinator's gRPC address
-  std::chrono::milliseconds check_interval{1000};    // how often its health is asked
+  std::string address = "127.0.0.1:7400";          // the coordinator's gRPC address
+  std::chrono::milliseconds check_interval{1000};  // how often its health is asked
 };
 
 void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* config);

@@ -20,9 +20,8 @@ void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config) {
                   "address of the Prometheus /metrics endpoint (port 0: any free port)");
   options.Bytes("max_message_bytes", &config->max_message_bytes, "largest gRPC message accepted or sent", 4096,
                 1ull << 30);
-  options.Duration("shutdown_grace", &config->shutdown_grace,
-                   "how long calls in flight may finish after SIGTERM", std::chrono::milliseconds(0),
-                   std::chrono::milliseconds(4000));
+  options.Duration("shutdown_grace", &config->shutdown_grace, "how long calls in flight may finish after SIGTERM",
+                   std::chrono::milliseconds(0), std::chrono::milliseconds(4000));
   options.Choice("log.level", &config->log_level, LogLevels(), "least severe log level printed");
   options.String("ready_file", &config->ready_file,
                  "file written (JSON) once serving, with the bound addresses; removed at exit");
@@ -34,7 +33,9 @@ Daemon::Daemon(std::string role, DaemonConfig config)
   if (config_.name.empty()) config_.name = role_;
 }
 
-Daemon::~Daemon() { Stop(); }
+Daemon::~Daemon() {
+  Stop();
+}
 
 void Daemon::AddService(std::string full_name, grpc::Service* service) {
   services_.push_back({std::move(full_name), service});
@@ -84,18 +85,22 @@ void Daemon::Stop() {
     const auto t0 = std::chrono::steady_clock::now();
     grpc_->Shutdown(config_.shutdown_grace);
     grpc_.reset();
-    spdlog::debug("gRPC server stopped in {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                        std::chrono::steady_clock::now() - t0).count());
+    spdlog::debug("gRPC server stopped in {} ms",
+                  std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t0).count());
   }
   const auto t1 = std::chrono::steady_clock::now();
   metrics_.reset();
-  spdlog::debug("metrics endpoint stopped in {} ms", std::chrono::duration_cast<std::chrono::milliseconds>(
-                                                         std::chrono::steady_clock::now() - t1).count());
+  spdlog::debug("metrics endpoint stopped in {} ms",
+                std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - t1).count());
   if (!config_.ready_file.empty()) std::remove(config_.ready_file.c_str());
 }
 
-const std::string& Daemon::grpc_address() const { return grpc_->address(); }
-const std::string& Daemon::metrics_address() const { return metrics_->address(); }
+const std::string& Daemon::grpc_address() const {
+  return grpc_->address();
+}
+const std::string& Daemon::metrics_address() const {
+  return metrics_->address();
+}
 
 int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   // First, before any thread exists, so every thread inherits the blocked signals.

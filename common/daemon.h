@@ -31,13 +31,13 @@
 namespace tandem {
 
 struct DaemonConfig {
-  std::string name;                    // instance name in logs and the ready file; default: the role
-  std::string listen_address;          // gRPC host:port (port 0: a free one)
-  std::string metrics_address;         // Prometheus host:port (port 0: a free one)
+  std::string name;             // instance name in logs and the ready file; default: the role
+  std::string listen_address;   // gRPC host:port (port 0: a free one)
+  std::string metrics_address;  // Prometheus host:port (port 0: a free one)
   uint64_t max_message_bytes = 16ull << 20;
   std::chrono::milliseconds shutdown_grace{2000};
   std::string log_level = "info";
-  std::string ready_file;              // written once serving; empty: none
+  std::string ready_file;  // written once serving; empty: none
   TlsConfig tls;
 };
 

@@ -115,7 +115,9 @@ Result<std::unique_ptr<GrpcServer>> GrpcServer::Start(const GrpcServerConfig& co
   return server;
 }
 
-GrpcServer::~GrpcServer() { Shutdown(std::chrono::milliseconds(0)); }
+GrpcServer::~GrpcServer() {
+  Shutdown(std::chrono::milliseconds(0));
+}
 
 void GrpcServer::SetServing(bool serving) {
   health_.Set("", serving);

@@ -55,7 +55,7 @@ Result<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, c
 Result<std::string> ReadFileContents(const std::string& path, std::string_view purpose);
 
 struct GrpcServerConfig {
-  std::string listen_address;   // host:port; port 0 picks a free port
+  std::string listen_address;  // host:port; port 0 picks a free port
   uint64_t max_message_bytes = 16ull << 20;
   TlsConfig tls;
 };

@@ -2,11 +2,12 @@
 
 #include <netdb.h>
 #include <poll.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
+
+#include <sys/socket.h>
 
 #include "common/config.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -49,7 +50,8 @@ Result<int> Connect(const HostPort& hp, std::chrono::steady_clock::time_point de
       continue;
     }
     pollfd p{fd, POLLOUT, 0};
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     int err = 0;
     socklen_t len = sizeof(err);
     if (poll(&p, 1, static_cast<int>(std::max<int64_t>(left.count(), 0))) != 1 ||
@@ -67,8 +69,7 @@ Result<int> Connect(const HostPort& hp, std::chrono::steady_clock::time_point de
 
 }  // namespace
 
-Result<std::string> HttpGet(const std::string& host_port, const std::string& path,
-                            std::chrono::milliseconds timeout) {
+Result<std::string> HttpGet(const std::string& host_port, const std::string& path, std::chrono::milliseconds timeout) {
   auto hp = ParseHostPort(host_port);
   if (!hp.ok()) return hp.status();
   const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -79,7 +80,8 @@ Result<std::string> HttpGet(const std::string& host_port, const std::string& pat
   Status status;
   size_t sent = 0;
   while (status.ok()) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) {
       status = DeadlineExceeded("GET http://{}{}: no complete answer within {} ms", host_port, path, timeout.count());
       break;

@@ -29,8 +29,7 @@ Result<std::string> CheckHealth(const std::shared_ptr<grpc::Channel>& channel, c
                                 std::chrono::milliseconds timeout);
 
 // GET http://HOST:PORT/PATH; returns the body of a 200 answer.
-Result<std::string> HttpGet(const std::string& host_port, const std::string& path,
-                            std::chrono::milliseconds timeout);
+Result<std::string> HttpGet(const std::string& host_port, const std::string& path, std::chrono::milliseconds timeout);
 
 // Polls another daemon's health every `interval` on a thread of its own and
 // calls `on_change(serving, detail)` whenever its state flips (and once at the

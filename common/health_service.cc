@@ -22,8 +22,7 @@ void HealthService::Shutdown() {
   changed_.notify_all();
 }
 
-grpc::Status HealthService::Check(grpc::ServerContext* /*context*/,
-                                  const grpc::health::v1::HealthCheckRequest* request,
+grpc::Status HealthService::Check(grpc::ServerContext* /*context*/, const grpc::health::v1::HealthCheckRequest* request,
                                   HealthCheckResponse* response) {
   std::lock_guard<std::mutex> lock(mu_);
   const auto it = status_.find(request->service());
@@ -45,6 +44,9 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context, const grpc::heal
       seen = version_;
       const auto it = status_.find(request->service());
       const ServingStatus now = it == status_.end() ? HealthCheckResponse::SERVICE_UNKNOWN : it->second;
+      // Shutdown may happen while the lock is released for Write below; end the
+      // stream only after the status read under shutdown has been sent.
+      const bool final_status = shut_down_;
       if (first || now != last) {
         HealthCheckResponse response;
         response.set_status(now);
@@ -55,7 +57,7 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context, const grpc::heal
         last = now;
         first = false;
       }
-      if (shut_down_) break;
+      if (final_status) break;
     }
     // Wake up now and then to notice a cancelled call.
     changed_.wait_for(lock, std::chrono::milliseconds(200), [&] { return version_ != seen; });

@@ -1,24 +1,23 @@
 #include "common/metrics.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <netdb.h>
 #include <poll.h>
-#include <sys/eventfd.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
-
 #include <chrono>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
+#include <arpa/inet.h>
 #include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
 
 #include "common/config.h"
 #include "tandem/config.h"
@@ -74,23 +73,22 @@ class ProcessCollector : public prometheus::Collectable {
         const double rss = std::stod(f[21]) * static_cast<double>(sysconf(_SC_PAGESIZE));
         out.push_back(Family("tandem_process_cpu_seconds_total", "CPU time used by this process (user and system).",
                              MetricType::Counter, cpu));
-        out.push_back(Family("tandem_process_resident_memory_bytes", "Resident memory of this process.",
-                             MetricType::Gauge, rss));
+        out.push_back(
+            Family("tandem_process_resident_memory_bytes", "Resident memory of this process.", MetricType::Gauge, rss));
         out.push_back(Family("tandem_process_virtual_memory_bytes", "Virtual memory size of this process.",
                              MetricType::Gauge, std::stod(f[20])));
-        out.push_back(Family("tandem_process_threads", "Threads in this process.", MetricType::Gauge,
-                             std::stod(f[17])));
+        out.push_back(
+            Family("tandem_process_threads", "Threads in this process.", MetricType::Gauge, std::stod(f[17])));
       }
     }
-    out.push_back(Family("tandem_process_open_fds", "Open file descriptors of this process.", MetricType::Gauge,
-                         CountOpenFds()));
+    out.push_back(
+        Family("tandem_process_open_fds", "Open file descriptors of this process.", MetricType::Gauge, CountOpenFds()));
     out.push_back(Family("tandem_process_start_time_seconds", "When this process started, in Unix seconds.",
                          MetricType::Gauge, start_time_));
-    auto info = Family("tandem_build_info", "Always 1; the labels say which daemon and build this is.",
-                       MetricType::Gauge, 1);
-    info.metric[0].label = {{"cuda", TANDEM_CUDA_ENABLED ? "true" : "false"},
-                            {"daemon", daemon_},
-                            {"version", TANDEM_VERSION}};
+    auto info =
+        Family("tandem_build_info", "Always 1; the labels say which daemon and build this is.", MetricType::Gauge, 1);
+    info.metric[0].label = {
+        {"cuda", TANDEM_CUDA_ENABLED ? "true" : "false"}, {"daemon", daemon_}, {"version", TANDEM_VERSION}};
     out.push_back(std::move(info));
     return out;
   }
@@ -222,9 +220,9 @@ void MetricsServer::HandleConnection(int fd) {
     }
   }
   if (line.rfind("HEAD ", 0) == 0) body.clear();
-  const std::string response = fmt::format(
-      "HTTP/1.0 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status, type,
-      body.size(), body);
+  const std::string response =
+      fmt::format("HTTP/1.0 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status, type,
+                  body.size(), body);
   size_t sent = 0;
   while (sent < response.size() && left_ms() > 0) {
     pollfd p{fd, POLLOUT, 0};

@@ -2,13 +2,14 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <thread>
+
+#include <sys/prctl.h>
+#include <sys/wait.h>
 
 namespace tandem {
 
@@ -111,7 +112,9 @@ bool Subprocess::Reap(bool block) {
   return true;
 }
 
-bool Subprocess::Running() { return !Reap(false); }
+bool Subprocess::Running() {
+  return !Reap(false);
+}
 
 Status Subprocess::Signal(int sig) {
   if (Reap(false)) return FailedPrecondition("process {} has already exited ({})", pid_, exit_.ToString());

@@ -7,22 +7,22 @@
 // Thread safety: not thread-safe; use one Subprocess from one thread.
 #pragma once
 
-#include <sys/types.h>
-
 #include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <sys/types.h>
 
 #include "common/status.h"
 
 namespace tandem {
 
 struct SpawnOptions {
-  std::vector<std::string> argv;         // argv[0] is the program path
-  std::vector<std::string> extra_env;    // KEY=VALUE added to this process's environment
-  std::string output_file;               // stdout and stderr go here (appended); empty: inherited
-  bool new_process_group = true;         // so a terminal's Ctrl-C reaches only the launcher
+  std::vector<std::string> argv;       // argv[0] is the program path
+  std::vector<std::string> extra_env;  // KEY=VALUE added to this process's environment
+  std::string output_file;             // stdout and stderr go here (appended); empty: inherited
+  bool new_process_group = true;       // so a terminal's Ctrl-C reaches only the launcher
 };
 
 struct ExitInfo {

@@ -71,9 +71,7 @@ class [[nodiscard]] Status {
   grpc::Status ToGrpc() const;
   static Status FromGrpc(const grpc::Status& status);
 
-  friend bool operator==(const Status& a, const Status& b) {
-    return a.code_ == b.code_ && a.message_ == b.message_;
-  }
+  friend bool operator==(const Status& a, const Status& b) { return a.code_ == b.code_ && a.message_ == b.message_; }
 
  private:
   StatusCode code_ = StatusCode::kOk;
@@ -81,9 +79,9 @@ class [[nodiscard]] Status {
 };
 
 // Constructors named after the codes, with fmt-style formatting.
-#define TANDEM_STATUS_FACTORY(Name, Code)                                            \
-  template <typename... Args>                                                        \
-  Status Name(fmt::format_string<Args...> format, Args&&... args) {                  \
+#define TANDEM_STATUS_FACTORY(Name, Code)                                              \
+  template <typename... Args>                                                          \
+  Status Name(fmt::format_string<Args...> format, Args&&... args) {                    \
     return Status(StatusCode::Code, fmt::format(format, std::forward<Args>(args)...)); \
   }
 TANDEM_STATUS_FACTORY(InvalidArgument, kInvalidArgument)
@@ -107,7 +105,7 @@ TANDEM_STATUS_FACTORY(Cancelled, kCancelled)
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T value) : value_(std::move(value)) {}         // NOLINT(google-explicit-constructor)
   Result(Status status) : status_(std::move(status)) {  // NOLINT(google-explicit-constructor)
     if (status_.ok()) status_ = Internal("Result constructed from an OK status without a value");
   }
@@ -132,9 +130,9 @@ class [[nodiscard]] Result {
 }  // namespace tandem
 
 // Propagates a non-OK Status to the caller.
-#define TANDEM_RETURN_IF_ERROR(expr)              \
-  do {                                            \
-    ::tandem::Status _tandem_status = (expr);     \
+#define TANDEM_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::tandem::Status _tandem_status = (expr);        \
     if (!_tandem_status.ok()) return _tandem_status; \
   } while (false)
 

@@ -8,8 +8,7 @@ DaemonSpec MakeDaemonSpec() {
   DaemonSpec spec;
   spec.program = "tandem-server";
   spec.role = "server";
-  spec.summary =
-      "a Tandem parameter-server shard: fp32 master weights and optimizer state for its key ranges";
+  spec.summary = "a Tandem parameter-server shard: fp32 master weights and optimizer state for its key ranges";
   spec.defaults.listen_address = "0.0.0.0:7500";
   spec.defaults.metrics_address = "0.0.0.0:9500";
   spec.epilog =

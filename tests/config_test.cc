@@ -208,9 +208,9 @@ TEST(ConfigTest, HelpListsEveryFlagWithItsKeyAndDefault) {
 TEST(ConfigTest, CheckConfigPrintsYamlThatLoadsBackToTheSameValues) {
   Fixture f;
   std::string out;
-  auto r = f.Parse({"--rendezvous-min-workers", "12", "--heartbeat-interval", "1.5s", "--name", "with: colon",
-                    "--check-config"},
-                   &out);
+  auto r = f.Parse(
+      {"--rendezvous-min-workers", "12", "--heartbeat-interval", "1.5s", "--name", "with: colon", "--check-config"},
+      &out);
   ASSERT_TRUE(r.ok()) << r.status().ToString();
   EXPECT_EQ(*r, OptionSet::Outcome::kExit);
   Fixture g;

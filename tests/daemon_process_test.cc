@@ -2,12 +2,12 @@
 // health service and a /metrics page that promtool accepts, refuses bad flags
 // and configuration with a clear message, survives garbage on its ports, and
 // exits 0 within 5 s of SIGTERM leaving no process behind.
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 
 #include "cli/launcher.h"
 #include "common/config.h"
@@ -149,8 +149,7 @@ TEST_P(DaemonTest, AnAddressInUseIsAClearStartupFailure) {
   ExpectCleanStop(*first);
 }
 
-INSTANTIATE_TEST_SUITE_P(Daemons, DaemonTest,
-                         ::testing::Values("tandem-coordinator", "tandem-server", "tandem-worker"),
+INSTANTIATE_TEST_SUITE_P(Daemons, DaemonTest, ::testing::Values("tandem-coordinator", "tandem-server", "tandem-worker"),
                          [](const auto& p) { return p.param.substr(7); });
 
 // Sends raw bytes to host:port and closes.
@@ -187,11 +186,12 @@ TEST(DaemonRobustnessTest, GarbageOnBothPortsLeavesTheDaemonServing) {
 
 TEST(DaemonRobustnessTest, MemberWaitsForAnAbsentCoordinatorInsteadOfExiting) {
   TempDir dir;
-  auto w = Start("tandem-worker", dir, {"--coordinator-address", "127.0.0.1:1", "--coordinator-check-interval", "50ms"});
+  auto w =
+      Start("tandem-worker", dir, {"--coordinator-address", "127.0.0.1:1", "--coordinator-check-interval", "50ms"});
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   std::this_thread::sleep_for(milliseconds(300));
   EXPECT_TRUE(w->process->Running());
-  EXPECT_EQ(Health(w->ready.grpc_address), "SERVING");                  // alive
+  EXPECT_EQ(Health(w->ready.grpc_address), "SERVING");                     // alive
   EXPECT_EQ(Health(w->ready.grpc_address, kReadyService), "NOT_SERVING");  // not ready
   auto page = HttpGet(w->ready.metrics_address, "/metrics", milliseconds(5000));
   ASSERT_TRUE(page.ok());

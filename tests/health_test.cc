@@ -1,11 +1,12 @@
 // The health service and the health watcher, in one process with real gRPC
 // on loopback (labelled "concurrency": these run under ThreadSanitizer too).
-#include <gtest/gtest.h>
+#include "common/health.h"
 
 #include <thread>
 
+#include <gtest/gtest.h>
+
 #include "common/grpc_util.h"
-#include "common/health.h"
 #include "common/shutdown.h"
 
 namespace tandem {
@@ -53,12 +54,15 @@ TEST(HealthTest, WatchStreamsChangesAndEndsAtShutdown) {
   ASSERT_TRUE(reader->Read(&response));
   EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::SERVING);
   std::thread stopper([&] { server->Shutdown(milliseconds(2000)); });
-  ASSERT_TRUE(reader->Read(&response));
-  EXPECT_EQ(response.status(), grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  const bool got_final = reader->Read(&response);
+  const auto final_status = response.status();
   while (reader->Read(&response)) {
   }
-  EXPECT_TRUE(reader->Finish().ok());
+  const grpc::Status finished = reader->Finish();
   stopper.join();
+  ASSERT_TRUE(got_final);
+  EXPECT_EQ(final_status, grpc::health::v1::HealthCheckResponse::NOT_SERVING);
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
 }
 
 TEST(HealthTest, WatcherFollowsAServerGoingAwayAndComingBack) {

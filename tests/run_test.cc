@@ -16,8 +16,7 @@ using testing::RunCommand;
 
 TEST(TandemRunTest, StartsAClusterShowsItReadyAndStopsItCleanly) {
   testing::TempDir dir;
-  const auto r = RunCommand({BinDir() + "/tandem", "run", "--servers", "2", "--workers", "2", "--work-dir",
-                             dir.path()},
+  const auto r = RunCommand({BinDir() + "/tandem", "run", "--servers", "2", "--workers", "2", "--work-dir", dir.path()},
                             std::chrono::seconds(60));
   ASSERT_TRUE(r.exit.success()) << r.output;
   for (const std::string name : {"coordinator", "server-0", "server-1", "worker-0", "worker-1"}) {
@@ -33,8 +32,7 @@ TEST(TandemRunTest, StartsAClusterShowsItReadyAndStopsItCleanly) {
 TEST(TandemRunTest, CtrlCStopsAHeldCluster) {
   testing::TempDir dir;
   SpawnOptions options;
-  options.argv = {BinDir() + "/tandem", "run", "--servers", "1", "--workers", "1", "--hold", "--work-dir",
-                  dir.path()};
+  options.argv = {BinDir() + "/tandem", "run", "--servers", "1", "--workers", "1", "--hold", "--work-dir", dir.path()};
   options.output_file = dir.path() + "/run.out";
   auto run = Subprocess::Spawn(options);
   ASSERT_TRUE(run.ok());

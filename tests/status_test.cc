@@ -50,13 +50,6 @@ TEST(StatusTest, NamesMatchGrpcSpelling) {
   EXPECT_EQ(InvalidArgument("key '{}' is bad", "x").ToString(), "INVALID_ARGUMENT: key 'x' is bad");
 }
 
-TEST(StatusTest, UnknownGrpcCodeBecomesUnknown) {
-  const Status s = Status::FromGrpc(grpc::Status(static_cast<grpc::StatusCode>(99), "odd"));
-  EXPECT_EQ(s.code(), StatusCode::kUnknown);
-  EXPECT_NE(s.message().find("99"), std::string::npos);
-  EXPECT_NE(s.message().find("odd"), std::string::npos);
-}
-
 TEST(StatusTest, WithContextPrefixesTheMessageAndKeepsTheCode) {
   const Status s = NotFound("no such file").WithContext("tls.ca_file");
   EXPECT_EQ(s.code(), StatusCode::kNotFound);

@@ -82,6 +82,8 @@ inline CommandResult RunCommand(const std::vector<std::string>& argv,
 
 // True if no process remains in process group `pgid` (the daemons are
 // started as group leaders, so this covers anything they started).
-inline bool ProcessGroupGone(pid_t pgid) { return kill(-pgid, 0) != 0 && errno == ESRCH; }
+inline bool ProcessGroupGone(pid_t pgid) {
+  return kill(-pgid, 0) != 0 && errno == ESRCH;
+}
 
 }  // namespace tandem::testing

@@ -35,7 +35,7 @@ class TlsTest : public ::testing::Test {
 
   std::vector<std::string> ServerTls() const {
     const std::string d = dir_.path();
-    return {"--tls-cert-file", d + "/server.pem", "--tls-key-file", d + "/server.key",
+    return {"--tls-cert-file", d + "/server.pem", "--tls-key-file",           d + "/server.key",
             "--tls-ca-file",   d + "/ca.pem",     "--tls-require-client-cert"};
   }
 
@@ -90,10 +90,10 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithAValidCertificate) {
   ASSERT_TRUE(worker.ok()) << worker.status().ToString();
   testing::CommandResult ready;
   for (int i = 0; i < 100; ++i) {
-    ready = Health(worker->ready.grpc_address,
-                   {"--tls-ca-file", d + "/ca.pem", "--tls-cert-file", d + "/client.pem", "--tls-key-file",
-                    d + "/client.key"},
-                   "tandem.ready");
+    ready = Health(
+        worker->ready.grpc_address,
+        {"--tls-ca-file", d + "/ca.pem", "--tls-cert-file", d + "/client.pem", "--tls-key-file", d + "/client.key"},
+        "tandem.ready");
     if (ready.exit.success()) break;
     std::this_thread::sleep_for(milliseconds(50));
   }
@@ -105,9 +105,8 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithAValidCertificate) {
 
 TEST_F(TlsTest, MissingCertificateFileIsAStartupErrorNamingIt) {
   const std::string d = dir_.path();
-  const auto r = RunCommand({BinDir() + "/tandem-coordinator", "--listen-address", "127.0.0.1:0",
-                             "--metrics-address", "127.0.0.1:0", "--tls-cert-file", d + "/absent.pem",
-                             "--tls-key-file", d + "/server.key"});
+  const auto r = RunCommand({BinDir() + "/tandem-coordinator", "--listen-address", "127.0.0.1:0", "--metrics-address",
+                             "127.0.0.1:0", "--tls-cert-file", d + "/absent.pem", "--tls-key-file", d + "/server.key"});
   EXPECT_EQ(r.exit.ToString(), "exit 1") << r.output;
   EXPECT_NE(r.output.find("tls.cert_file: cannot read '" + d + "/absent.pem'"), std::string::npos) << r.output;
 }

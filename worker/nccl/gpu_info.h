@@ -11,12 +11,12 @@
 namespace tandem::gpu {
 
 struct GpuInfo {
-  bool compiled = false;      // built with TANDEM_WITH_CUDA
-  int runtime_version = 0;    // CUDA runtime, e.g. 13000 for 13.0
-  int driver_version = 0;     // 0 when no driver is installed
-  int nccl_version = 0;       // e.g. 22805 for 2.28.5
-  int device_count = 0;       // visible devices; 0 when none or no driver
-  std::string problem;        // why no device can be used, if none can
+  bool compiled = false;    // built with TANDEM_WITH_CUDA
+  int runtime_version = 0;  // CUDA runtime, e.g. 13000 for 13.0
+  int driver_version = 0;   // 0 when no driver is installed
+  int nccl_version = 0;     // e.g. 22805 for 2.28.5
+  int device_count = 0;     // visible devices; 0 when none or no driver
+  std::string problem;      // why no device can be used, if none can
 };
 
 GpuInfo Probe();
