@@ -41,7 +41,8 @@ test: build
 test-asan:
 	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=Debug CUDA=OFF SANITIZE=address,undefined
 
-# ThreadSanitizer, for the concurrent parts.
+# ThreadSanitizer, for Tandem's own concurrent parts (label "concurrency"; see
+# tests/concurrency_test.cc for why tests that cross gRPC are left out).
 test-tsan:
 	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=Debug CUDA=OFF SANITIZE=thread CTEST_FLAGS="-L concurrency"
 

@@ -1,5 +1,5 @@
 // The health service and the health watcher, in one process with real gRPC
-// on loopback (labelled "concurrency": these run under ThreadSanitizer too).
+// on loopback.
 #include "common/health.h"
 
 #include <thread>
@@ -7,7 +7,6 @@
 #include <gtest/gtest.h>
 
 #include "common/grpc_util.h"
-#include "common/shutdown.h"
 
 namespace tandem {
 namespace {
@@ -103,15 +102,6 @@ TEST(HealthTest, UnreachableDaemonIsAnErrorNotAHang) {
   auto r = CheckHealth(*channel, "", milliseconds(500));
   EXPECT_FALSE(r.ok());
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));
-}
-
-TEST(ShutdownSignalTest, RequestShutdownWakesWaiters) {
-  ShutdownSignal shutdown;
-  EXPECT_EQ(shutdown.WaitFor(milliseconds(10)), -1);
-  std::thread t([&] { shutdown.RequestShutdown(); });
-  EXPECT_EQ(shutdown.Wait(), 0);
-  EXPECT_TRUE(shutdown.requested());
-  t.join();
 }
 
 }  // namespace
