@@ -120,27 +120,13 @@ Result<uint64_t> ParseBytes(std::string_view text) {
   const std::string unit = ToLower(Trim(text.substr(split)));
   double number = 0;
   if (!ParseNumber(Trim(text.substr(0, split)), &number) || number < 0) return bad();
-  double scale = 0;
-  if (unit.empty() || unit == "b")
-    scale = 1;
-  else if (unit == "kib" || unit == "k")
-    scale = 1024.0;
-  else if (unit == "mib" || unit == "m")
-    scale = 1024.0 * 1024;
-  else if (unit == "gib" || unit == "g")
-    scale = 1024.0 * 1024 * 1024;
-  else if (unit == "tib" || unit == "t")
-    scale = 1024.0 * 1024 * 1024 * 1024;
-  else if (unit == "kb")
-    scale = 1e3;
-  else if (unit == "mb")
-    scale = 1e6;
-  else if (unit == "gb")
-    scale = 1e9;
-  else if (unit == "tb")
-    scale = 1e12;
-  else
-    return bad();
+  static const std::pair<std::string_view, double> kUnits[] = {
+      {"", 1},         {"b", 1},      {"k", 0x1p10},   {"kib", 0x1p10}, {"m", 0x1p20}, {"mib", 0x1p20}, {"g", 0x1p30},
+      {"gib", 0x1p30}, {"t", 0x1p40}, {"tib", 0x1p40}, {"kb", 1e3},     {"mb", 1e6},   {"gb", 1e9},     {"tb", 1e12},
+  };
+  const auto it = std::find_if(std::begin(kUnits), std::end(kUnits), [&](const auto& u) { return u.first == unit; });
+  if (it == std::end(kUnits)) return bad();
+  const double scale = it->second;
   const double bytes = number * scale;
   if (bytes > 1.8e19 || bytes != std::floor(bytes)) return bad();
   return static_cast<uint64_t>(bytes);

@@ -3,11 +3,10 @@
 // "concurrency"). Tests that cross gRPC are not in this label: Debian's gRPC
 // is not built with ThreadSanitizer, and its internal locks (absl, futex
 // based) are invisible to it, so it reports races that are not there.
-#include <gtest/gtest.h>
-
 #include <atomic>
 #include <thread>
 
+#include <gtest/gtest.h>
 #include <prometheus/counter.h>
 
 #include "common/health.h"
