@@ -34,7 +34,7 @@ build: deps
 	cmake --build $(BUILD_DIR) -j $(JOBS)
 
 test: build
-	ctest --test-dir $(BUILD_DIR) --output-on-failure --timeout 300 -j $(JOBS) $(CTEST_FLAGS)
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS) $(CTEST_FLAGS)
 
 # The same suite under AddressSanitizer and UndefinedBehaviorSanitizer (CUDA
 # code is not instrumented, so the GPU backend is left out of this build).

@@ -20,7 +20,7 @@ int HealthCommand(int argc, char** argv) {
                  "service to ask about: empty for the process (liveness), tandem.ready for readiness");
   options.Duration("timeout", &timeout, "how long to wait for an answer", std::chrono::milliseconds(1),
                    std::chrono::milliseconds(600000));
-  DeclareTlsOptions(options, &tls);
+  DeclareTlsOptions(options, &tls, /*client_only=*/true);
   std::string output;
   auto parsed = options.Parse(argc, argv, &output);
   if (!parsed.ok()) {

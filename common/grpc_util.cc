@@ -11,12 +11,17 @@
 
 namespace tandem {
 
-void DeclareTlsOptions(OptionSet& options, TlsConfig* tls) {
-  options.String("tls.cert_file", &tls->cert_file, "PEM certificate chain of this process (set to serve TLS)");
+void DeclareTlsOptions(OptionSet& options, TlsConfig* tls, bool client_only) {
+  options.String("tls.cert_file", &tls->cert_file,
+                 client_only ? "PEM client certificate, for servers that require one (mutual TLS)"
+                             : "PEM certificate chain of this process (set to serve TLS; also presented as a client "
+                               "certificate, so it needs clientAuth too under mutual TLS)");
   options.String("tls.key_file", &tls->key_file, "PEM private key for tls.cert_file");
   options.String("tls.ca_file", &tls->ca_file, "PEM CA bundle that peers' certificates must chain to");
-  options.Bool("tls.require_client_cert", &tls->require_client_cert,
-               "mutual TLS: refuse clients without a certificate signed by tls.ca_file");
+  if (!client_only) {
+    options.Bool("tls.require_client_cert", &tls->require_client_cert,
+                 "mutual TLS: refuse clients without a certificate signed by tls.ca_file");
+  }
   options.String("tls.server_name", &tls->server_name,
                  "name to verify in servers' certificates instead of the address's host");
   options.AddCheck([tls]() -> Status {

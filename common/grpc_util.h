@@ -42,7 +42,8 @@ struct TlsConfig {
 };
 
 // Declares the tls.* options above, and a check that they fit together.
-void DeclareTlsOptions(OptionSet& options, TlsConfig* tls);
+// With `client_only` (command-line tools) the serving-side options are left out.
+void DeclareTlsOptions(OptionSet& options, TlsConfig* tls, bool client_only = false);
 
 Result<std::shared_ptr<grpc::ServerCredentials>> MakeServerCredentials(const TlsConfig& tls);
 Result<std::shared_ptr<grpc::ChannelCredentials>> MakeChannelCredentials(const TlsConfig& tls);

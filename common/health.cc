@@ -2,12 +2,11 @@
 
 #include <netdb.h>
 #include <poll.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-
-#include <sys/socket.h>
 
 #include "common/config.h"
 #include "grpc/health/v1/health.grpc.pb.h"

@@ -1,23 +1,24 @@
 #include "common/metrics.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <netdb.h>
 #include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <sstream>
 
-#include <arpa/inet.h>
 #include <prometheus/collectable.h>
 #include <prometheus/metric_family.h>
 #include <prometheus/text_serializer.h>
-#include <sys/eventfd.h>
-#include <sys/socket.h>
 
 #include "common/config.h"
 #include "tandem/config.h"
@@ -49,11 +50,34 @@ int CountOpenFds() {
   return n - 3;  // ".", ".." and the directory's own descriptor
 }
 
+// When this process started, in Unix seconds: boot time (/proc/stat btime)
+// plus the start time in clock ticks (/proc/self/stat field 22). Falls back
+// to now if /proc cannot be read.
+double ProcessStartTime() {
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::ifstream proc_stat("/proc/stat");
+  double boot = 0;
+  for (std::string key; proc_stat >> key;) {
+    if (key == "btime") {
+      proc_stat >> boot;
+      break;
+    }
+  }
+  std::ifstream self_stat("/proc/self/stat");
+  std::string stat((std::istreambuf_iterator<char>(self_stat)), std::istreambuf_iterator<char>());
+  const size_t paren = stat.rfind(')');
+  if (boot <= 0 || paren == std::string::npos) return now;
+  std::istringstream fields(stat.substr(paren + 2));
+  std::string field;
+  for (int i = 3; i <= 22 && fields >> field; ++i) {
+  }
+  const double ticks = std::strtod(field.c_str(), nullptr);
+  return ticks > 0 ? boot + ticks / static_cast<double>(sysconf(_SC_CLK_TCK)) : now;
+}
+
 class ProcessCollector : public prometheus::Collectable {
  public:
-  explicit ProcessCollector(std::string daemon)
-      : daemon_(std::move(daemon)),
-        start_time_(std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count()) {}
+  explicit ProcessCollector(std::string daemon) : daemon_(std::move(daemon)), start_time_(ProcessStartTime()) {}
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
@@ -192,17 +216,18 @@ void MetricsServer::HandleConnection(int fd) {
   // Read the request head (up to the blank line).
   std::string request;
   while (request.find("\r\n\r\n") == std::string::npos && request.find("\n\n") == std::string::npos) {
-    if (request.size() > kMaxRequest || left_ms() == 0) return;
+    if (left_ms() == 0) return;
     pollfd p{fd, POLLIN, 0};
     if (poll(&p, 1, left_ms()) <= 0) return;
     char buf[4096];
     const ssize_t n = recv(fd, buf, sizeof(buf), 0);
     if (n <= 0) return;
     request.append(buf, static_cast<size_t>(n));
+    if (request.size() > kMaxRequest) return;
   }
   const std::string line = request.substr(0, request.find_first_of("\r\n"));
   std::string status = "200 OK";
-  std::string type = "text/plain; version=0.0.4; charset=utf-8";
+  std::string type = "text/plain; charset=utf-8";
   std::string body;
   if (line.rfind("GET ", 0) != 0 && line.rfind("HEAD ", 0) != 0) {
     status = "405 Method Not Allowed";
@@ -212,6 +237,7 @@ void MetricsServer::HandleConnection(int fd) {
     const std::string path = line.substr(path_start, line.find(' ', path_start) - path_start);
     if (path == "/metrics" || path.rfind("/metrics?", 0) == 0) {
       body = RenderMetrics();
+      type = "text/plain; version=0.0.4; charset=utf-8";  // the Prometheus text format
     } else if (path == "/") {
       body = "Tandem metrics: see /metrics\n";
     } else {
@@ -219,10 +245,11 @@ void MetricsServer::HandleConnection(int fd) {
       body = "not found: the metrics are at /metrics\n";
     }
   }
-  if (line.rfind("HEAD ", 0) == 0) body.clear();
+  const size_t length = body.size();
+  if (line.rfind("HEAD ", 0) == 0) body.clear();  // same headers as GET, no body
   const std::string response =
       fmt::format("HTTP/1.0 {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}", status, type,
-                  body.size(), body);
+                  length, body);
   size_t sent = 0;
   while (sent < response.size() && left_ms() > 0) {
     pollfd p{fd, POLLOUT, 0};

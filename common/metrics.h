@@ -2,7 +2,9 @@
 //
 // Every daemon owns one MetricsServer. Components add their metric families
 // to registry(); names start with `tandem_` and are listed in docs/metrics.md.
-// Labels stay bounded (role, rank, node, shard; never per step or tensor).
+// Labels stay bounded (job, rank, node, shard; never per step or tensor), and
+// none is named `role`: Prometheus would rename it when the target carries a
+// `role` label (the daemon kind is the `daemon` label of tandem_build_info).
 //
 // The endpoint is a small HTTP/1.0 server on one thread (poll-based, requests
 // up to 16 KiB, 2 s to send one): scrapes are rare and small, and it stops at

@@ -2,14 +2,13 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 #include <thread>
-
-#include <sys/prctl.h>
-#include <sys/wait.h>
 
 namespace tandem {
 

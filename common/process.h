@@ -7,12 +7,12 @@
 // Thread safety: not thread-safe; use one Subprocess from one thread.
 #pragma once
 
+#include <sys/types.h>
+
 #include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <sys/types.h>
 
 #include "common/status.h"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages Tandem needs to build and test: the one list
 # of build and test dependencies. Idempotent: runs apt-get only when something
-# is missing. Benchmark-only packages are in scripts/bench-deps.sh.
+# is missing. Benchmark-only packages are installed by scripts/bench.sh.
 #
 # Usage: scripts/deps.sh            (as root, or with sudo available)
 set -euo pipefail
