@@ -2,12 +2,12 @@
 // health service and a /metrics page that promtool accepts, refuses bad flags
 // and configuration with a clear message, survives garbage on its ports, and
 // exits 0 within 5 s of SIGTERM leaving no process behind.
-#include <signal.h>
-
 #include <arpa/inet.h>
-#include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <signal.h>
 #include <sys/socket.h>
+
+#include <gtest/gtest.h>
 
 #include "cli/launcher.h"
 #include "common/config.h"
