@@ -1,11 +1,23 @@
 // The subcommands of the `tandem` command line tool.
 #pragma once
 
+#include <string>
+
+#include "tandem/v1/coordinator.pb.h"
+
 namespace tandem::cli {
 
 // tandem run: start a local cluster on this machine (see run_command.cc).
 int RunCommand(int argc, char** argv);
 // tandem health ADDRESS: ask a daemon's gRPC health service.
 int HealthCommand(int argc, char** argv);
+// tandem status | drain | scale: the coordinator's admin API.
+int StatusCommand(int argc, char** argv);
+int DrainCommand(int argc, char** argv);
+int ScaleCommand(int argc, char** argv);
+// tandem bench coordinator: simulated members against a real coordinator.
+int BenchCoordinatorCommand(int argc, char** argv);
+// The text `tandem status` prints.
+std::string FormatStatus(const v1::GetStatusResponse& status);
 
 }  // namespace tandem::cli

@@ -16,7 +16,11 @@ Usage: tandem COMMAND [flags]
 
 Commands:
   run        start a local cluster (coordinator, servers, workers) on this machine
+  status     show a job: epoch, members with role, rank, node, step and health, shard map
+  drain      take a member out of its job at the next epoch
+  scale      change a job's minimum and maximum number of workers
   health     ask a daemon's gRPC health service whether it is serving
+  bench      benchmarks: 'tandem bench coordinator' (rendezvous, heartbeats, failure detection)
   version    print the version
 
 Run 'tandem COMMAND --help' for a command's flags.
@@ -40,6 +44,16 @@ int main(int argc, char** argv) {
   // Each command parses argv[1..]: its own name stands where the program name would.
   if (command == "run") return tandem::cli::RunCommand(argc - 1, argv + 1);
   if (command == "health") return tandem::cli::HealthCommand(argc - 1, argv + 1);
+  if (command == "status") return tandem::cli::StatusCommand(argc - 1, argv + 1);
+  if (command == "drain") return tandem::cli::DrainCommand(argc - 1, argv + 1);
+  if (command == "scale") return tandem::cli::ScaleCommand(argc - 1, argv + 1);
+  if (command == "bench") {
+    if (argc >= 3 && std::strcmp(argv[2], "coordinator") == 0) {
+      return tandem::cli::BenchCoordinatorCommand(argc - 2, argv + 2);
+    }
+    fmt::print(stderr, "tandem bench: name a benchmark: coordinator\n");
+    return 2;
+  }
   fmt::print(stderr, "tandem: unknown command '{}' (run tandem --help to list the commands)\n", command);
   return 2;
 }

@@ -14,13 +14,16 @@
 #include "cli/commands.h"
 #include "cli/launcher.h"
 #include "common/config.h"
+#include "common/grpc_util.h"
 #include "common/health.h"
 #include "common/shutdown.h"
+#include "tandem/v1/coordinator.grpc.pb.h"
 
 namespace tandem::cli {
 namespace {
 
 struct RunConfig {
+  int64_t nodes = 1;
   int64_t servers = 2;
   int64_t workers = 2;
   std::string bin_dir;
@@ -88,6 +91,7 @@ int RunCommand(int argc, char** argv) {
   config.bin_dir = ExecutableDir();
   OptionSet options("tandem run", "start a local Tandem cluster (coordinator, servers, workers) on this machine");
   options.EnableConfigFile();
+  options.Int("nodes", &config.nodes, "simulated nodes the workers are spread over", 1, 256);
   options.Int("servers", &config.servers, "parameter-server processes", 0, 64);
   options.Int("workers", &config.workers, "worker processes", 0, 256);
   options.String("bin_dir", &config.bin_dir, "where tandem-coordinator, tandem-server and tandem-worker are");
@@ -143,13 +147,19 @@ int RunCommand(int argc, char** argv) {
     return Status::Ok();
   };
 
-  Status status = launch("tandem-coordinator", "coordinator", {});
+  Status status = launch("tandem-coordinator", "coordinator",
+                         {"--data-dir", config.work_dir + "/coordinator-data", "--job-min-workers",
+                          std::to_string(std::max<int64_t>(config.workers, 1)), "--job-max-workers",
+                          std::to_string(std::max<int64_t>(config.workers, 1)), "--job-min-servers",
+                          std::to_string(config.servers), "--job-last-call-window", "0s"});
   const std::string coordinator = status.ok() ? members[0].ready.grpc_address : "";
   for (int64_t i = 0; status.ok() && i < config.servers && !shutdown.requested(); ++i) {
     status = launch("tandem-server", fmt::format("server-{}", i), {"--coordinator-address", coordinator});
   }
   for (int64_t i = 0; status.ok() && i < config.workers && !shutdown.requested(); ++i) {
-    status = launch("tandem-worker", fmt::format("worker-{}", i), {"--coordinator-address", coordinator});
+    const int64_t node = i * config.nodes / std::max<int64_t>(config.workers, 1);
+    status = launch("tandem-worker", fmt::format("worker-{}", i),
+                    {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node)});
   }
 
   // Every process must answer its health service and report ready (members
@@ -189,6 +199,28 @@ int RunCommand(int argc, char** argv) {
     }
   }
 
+  // The job's first epoch: every member registered, ranked and acknowledged.
+  v1::GetStatusResponse job;
+  if (status.ok() && !shutdown.requested() && config.workers > 0) {
+    auto channel = MakeChannel(coordinator, TlsConfig{});
+    auto stub = v1::CoordinatorAdmin::NewStub(*channel);
+    const auto deadline = std::chrono::steady_clock::now() + config.startup_timeout;
+    while (true) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      v1::GetStatusRequest request;
+      const grpc::Status s = stub->GetStatus(&ctx, request, &job);
+      if (s.ok() && job.active_epoch() > 0) break;
+      if (std::chrono::steady_clock::now() > deadline || shutdown.requested()) {
+        status = DeadlineExceeded("the job's first epoch did not become active in time ({}); the end of {}:\n{}",
+                                  s.ok() ? "no active epoch" : s.error_message(), members[0].log_file,
+                                  TailOfFile(members[0].log_file, 10));
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
   if (!status.ok() || shutdown.requested()) {
     if (!status.ok()) fmt::print(stderr, "tandem run: {}\n", status.message());
     StopAll(members);
@@ -204,10 +236,11 @@ int RunCommand(int argc, char** argv) {
     fmt::print("  {:<14} {:<12} {:>7}  {:<21} {:<21} {:<8} {:<8} {}\n", r.name, r.role, r.pid, r.grpc_address,
                r.metrics_address, health[i], ready[i], samples[i]);
   }
+  if (job.active_epoch() > 0) fmt::print("\n{}", FormatStatus(job));
   fmt::print(
-      "\nTraining is not available in this version of Tandem yet: this run starts the cluster, checks that every\n"
-      "process serves and is ready, and stops it. The coordinator's rendezvous, the data plane, the parameter\n"
-      "servers' optimizer and the trainer come next (see README.md).\n\n");
+      "\nTraining is not available in this version of Tandem yet: this run starts the cluster, forms the job's\n"
+      "first membership epoch (ranks, mesh, shard map), checks that every process serves and is ready, and stops\n"
+      "it. The data plane, the parameter servers' optimizer and the trainer come next (see README.md).\n\n");
 
   if (config.hold) {
     fmt::print("Holding the cluster up (--hold); press Ctrl-C or send SIGTERM to stop it.\n");

@@ -1,23 +1,50 @@
 #include "common/coordinator_link.h"
 
+#include <unistd.h>
+
+#include <thread>
+
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
 #include <spdlog/spdlog.h>
+
+#include "common/grpc_util.h"
 
 namespace tandem {
 
 void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* config) {
   options.Address("coordinator.address", &config->address, "the coordinator's gRPC address");
-  options.Duration("coordinator.check_interval", &config->check_interval,
-                   "how often the coordinator's health is checked", std::chrono::milliseconds(50),
-                   std::chrono::milliseconds(60000));
+  options.String("coordinator.token_file", &config->token_file,
+                 "file holding the job's join token (if the coordinator requires one)");
+  options.String("job.id", &config->job_id, "the job to join");
+  options.String("node.id", &config->node_id,
+                 "this node's identity: members with the same id share a node (default: the hostname)");
 }
 
-Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon) {
+Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon,
+                                                                v1::Role role) {
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink());
-  TANDEM_ASSIGN_OR_RETURN(link->channel_,
+  TANDEM_ASSIGN_OR_RETURN(auto channel,
                           MakeChannel(config.address, daemon.config().tls, daemon.config().max_message_bytes));
+  MemberSessionOptions options;
+  options.job_id = config.job_id;
+  if (!config.token_file.empty()) {
+    TANDEM_ASSIGN_OR_RETURN(options.token, ReadFileContents(config.token_file, "coordinator.token_file"));
+    while (!options.token.empty() && std::isspace(static_cast<unsigned char>(options.token.back()))) {
+      options.token.pop_back();
+    }
+  }
+  options.role = role;
+  char host[256] = {};
+  gethostname(host, sizeof(host) - 1);
+  options.node.set_hostname(host);
+  options.node.set_node_id(config.node_id.empty() ? host : config.node_id);
+  options.node.set_cpu_cores(std::thread::hardware_concurrency());
+  options.control_address = daemon.grpc_address();
+
   auto& up = prometheus::BuildGauge()
                  .Name("tandem_coordinator_reachable")
-                 .Help("1 while this process's coordinator answers its health checks as SERVING, else 0.")
+                 .Help("1 while this process is registered with its coordinator and its membership stream is up.")
                  .Register(daemon.registry())
                  .Add({});
   auto& changes = prometheus::BuildCounter()
@@ -25,22 +52,44 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
                       .Help("Times the coordinator went from reachable to unreachable or back.")
                       .Register(daemon.registry())
                       .Add({});
+  auto& epoch_gauge = prometheus::BuildGauge()
+                          .Name("tandem_member_epoch")
+                          .Help("The newest membership epoch this member has joined.")
+                          .Register(daemon.registry())
+                          .Add({});
   const std::string address = config.address;
   Daemon* d = &daemon;  // outlives the link (see Start's contract)
-  link->watcher_ = std::make_unique<HealthWatcher>(
-      link->channel_, config.check_interval,
-      [address, d, &up, &changes, first = true](bool serving, const std::string& detail) mutable {
-        if (serving) {
-          spdlog::info("coordinator at {} is serving", address);
-        } else {
-          spdlog::warn("coordinator at {} is not reachable ({}); waiting for it", address, detail);
-        }
-        if (!first) changes.Increment();
-        first = false;
-        up.Set(serving ? 1 : 0);
-        d->SetReady(serving);
-      });
+  options.on_connection = [address, d, &up, &changes, first = true](bool connected, const std::string& detail) mutable {
+    if (connected) {
+      spdlog::info("coordinator at {} is serving", address);
+    } else {
+      spdlog::warn("coordinator at {} is not reachable ({}); waiting for it", address, detail);
+    }
+    if (!first) changes.Increment();
+    first = false;
+    up.Set(connected ? 1 : 0);
+    d->SetReady(connected);
+  };
+  options.on_epoch = [&epoch_gauge](const v1::MembershipEpoch& epoch) {
+    epoch_gauge.Set(static_cast<double>(epoch.epoch()));
+    return Status::Ok();
+  };
+  options.on_drain = [] { spdlog::warn("the coordinator asks this member to drain: stop it when convenient"); };
+  // Not reachable until the first registration succeeds.
+  options.on_connection(false, "not registered yet");
+  link->session_ = std::make_unique<MemberSession>(std::move(channel), std::move(options));
   return link;
+}
+
+CoordinatorLink::~CoordinatorLink() = default;
+
+void CoordinatorLink::Leave(std::chrono::milliseconds timeout) {
+  if (session_ == nullptr || session_->member_id() == 0) return;
+  if (Status s = session_->Leave("shutting down", timeout); !s.ok()) {
+    spdlog::warn("could not leave the job cleanly: {}", s.ToString());
+  } else {
+    spdlog::info("left the job");
+  }
 }
 
 }  // namespace tandem

@@ -1,10 +1,12 @@
-// How servers and workers follow their coordinator: a channel to it and a
-// health watch that drives the process's readiness. A member that cannot reach
-// its coordinator keeps running (liveness stays SERVING) and reports not ready
-// until the coordinator answers, so it waits instead of crash-looping.
+// How servers and workers take part in their job: a member session with the
+// coordinator (common/member_session.h) whose state drives the process's
+// readiness and metrics. A member that cannot reach its coordinator keeps
+// running (liveness stays SERVING) and reports not ready until the
+// coordinator answers, so it waits instead of crash-looping. On shutdown it
+// leaves the job gracefully, so the next epoch forms at once.
 //
 // Thread safety: construct and destroy on one thread; the callbacks run on the
-// watcher's thread.
+// session's threads.
 #pragma once
 
 #include <chrono>
@@ -12,34 +14,37 @@
 #include <string>
 
 #include <grpcpp/channel.h>
-#include <prometheus/counter.h>
-#include <prometheus/gauge.h>
 
 #include "common/daemon.h"
-#include "common/health.h"
+#include "common/member_session.h"
 
 namespace tandem {
 
 struct CoordinatorLinkConfig {
-  std::string address = "127.0.0.1:7400";          // the coordinator's gRPC address
-  std::chrono::milliseconds check_interval{1000};  // how often its health is asked
+  std::string address = "127.0.0.1:7400";  // the coordinator's gRPC address
+  std::string job_id = "default";          // the job to join
+  std::string token_file;                  // file with the join token; empty: none
+  std::string node_id;                     // node identity (members with equal ids share a node); default: hostname
 };
 
 void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* config);
 
 class CoordinatorLink {
  public:
-  // Opens the channel (with the daemon's TLS settings) and starts watching.
+  // Opens the channel (with the daemon's TLS settings) and starts the session.
   // `daemon` must outlive the link.
-  static Result<std::unique_ptr<CoordinatorLink>> Start(const CoordinatorLinkConfig& config, Daemon& daemon);
+  static Result<std::unique_ptr<CoordinatorLink>> Start(const CoordinatorLinkConfig& config, Daemon& daemon,
+                                                        v1::Role role);
+  ~CoordinatorLink();
 
-  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
-  bool reachable() const { return watcher_ != nullptr && watcher_->serving(); }
+  // Leaves the job (bounded by `timeout`) and stops the session.
+  void Leave(std::chrono::milliseconds timeout);
+
+  MemberSession& session() { return *session_; }
 
  private:
   CoordinatorLink() = default;
-  std::shared_ptr<grpc::Channel> channel_;
-  std::unique_ptr<HealthWatcher> watcher_;
+  std::unique_ptr<MemberSession> session_;
 };
 
 }  // namespace tandem

@@ -84,6 +84,12 @@ Result<std::shared_ptr<grpc::Channel>> MakeChannel(const std::string& address, c
   args.SetMaxReceiveMessageSize(limit);
   args.SetMaxSendMessageSize(limit);
   if (!tls.server_name.empty()) args.SetSslTargetNameOverride(tls.server_name);
+  // Reconnect quickly to a restarted peer: control-plane peers (the
+  // coordinator above all) come back within seconds, and gRPC's default
+  // backoff would wait up to two minutes.
+  args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+  args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
   return grpc::CreateCustomChannel(address, creds, args);
 }
 

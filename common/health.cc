@@ -112,38 +112,4 @@ Result<std::string> HttpGet(const std::string& host_port, const std::string& pat
   return response.substr(header_end + 4);
 }
 
-HealthWatcher::HealthWatcher(std::shared_ptr<grpc::Channel> channel, std::chrono::milliseconds interval,
-                             std::function<void(bool, const std::string&)> on_change)
-    : channel_(std::move(channel)), interval_(interval), on_change_(std::move(on_change)) {
-  thread_ = std::thread([this] { Run(); });
-}
-
-HealthWatcher::~HealthWatcher() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  thread_.join();
-}
-
-void HealthWatcher::Run() {
-  bool first = true;
-  std::string last_detail;
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stop_) {
-    lock.unlock();
-    auto r = CheckHealth(channel_, "", interval_);
-    const bool serving = r.ok() && *r == "SERVING";
-    const std::string detail = r.ok() ? *r : r.status().message();
-    if (first || serving != serving_) {
-      serving_ = serving;
-      on_change_(serving, detail);
-      first = false;
-    }
-    lock.lock();
-    cv_.wait_for(lock, interval_, [this] { return stop_; });
-  }
-}
-
 }  // namespace tandem

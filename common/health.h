@@ -1,22 +1,16 @@
 // Clients for the two endpoints every Tandem daemon serves: the standard gRPC
 // health service and the Prometheus /metrics page.
 //
-// Thread safety: the functions are thread-safe; HealthWatcher is thread-safe.
+// Thread safety: the functions are thread-safe.
 #pragma once
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
-#include <thread>
 
 #include <grpcpp/channel.h>
 
 #include "common/status.h"
-#include "common/thread_annotations.h"
 
 namespace tandem {
 
@@ -30,31 +24,5 @@ Result<std::string> CheckHealth(const std::shared_ptr<grpc::Channel>& channel, c
 
 // GET http://HOST:PORT/PATH; returns the body of a 200 answer.
 Result<std::string> HttpGet(const std::string& host_port, const std::string& path, std::chrono::milliseconds timeout);
-
-// Polls another daemon's health every `interval` on a thread of its own and
-// calls `on_change(serving, detail)` whenever its state flips (and once at the
-// first answer). Used by servers and workers to follow their coordinator.
-class HealthWatcher {
- public:
-  HealthWatcher(std::shared_ptr<grpc::Channel> channel, std::chrono::milliseconds interval,
-                std::function<void(bool serving, const std::string& detail)> on_change);
-  ~HealthWatcher();  // stops and joins the thread
-  HealthWatcher(const HealthWatcher&) = delete;
-  HealthWatcher& operator=(const HealthWatcher&) = delete;
-
-  bool serving() const { return serving_; }
-
- private:
-  void Run();
-
-  std::shared_ptr<grpc::Channel> channel_;
-  std::chrono::milliseconds interval_;
-  std::function<void(bool, const std::string&)> on_change_;
-  std::atomic<bool> serving_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ TANDEM_GUARDED_BY(mu_) = false;
-  std::thread thread_;
-};
 
 }  // namespace tandem

@@ -2,7 +2,7 @@
 
 namespace tandem {
 
-void MakeMemberSpec(DaemonSpec& spec, std::function<void(OptionSet&)> extra_declare,
+void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
                     std::function<Status(Daemon&)> extra_started) {
   struct State {
     CoordinatorLinkConfig config;
@@ -13,12 +13,15 @@ void MakeMemberSpec(DaemonSpec& spec, std::function<void(OptionSet&)> extra_decl
     DeclareCoordinatorLinkOptions(options, &state->config);
     if (extra_declare) extra_declare(options);
   };
-  spec.started = [state, extra_started](Daemon& daemon) -> Status {
+  spec.started = [state, role, extra_started](Daemon& daemon) -> Status {
     if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon));
-    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon));
+    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon, role));
     return Status::Ok();
   };
-  spec.stopping = [state](Daemon&) { state->link.reset(); };
+  spec.stopping = [state](Daemon&) {
+    if (state->link) state->link->Leave(std::chrono::milliseconds(1000));
+    state->link.reset();
+  };
 }
 
 }  // namespace tandem

@@ -1,6 +1,6 @@
 // The DaemonSpec shared by the members of a job (parameter servers and
-// workers): the coordinator link options, and readiness that follows the
-// coordinator's health.
+// workers): the coordinator link options, a member session with the
+// coordinator, readiness that follows it, and a graceful leave on shutdown.
 #pragma once
 
 #include <functional>
@@ -13,7 +13,7 @@ namespace tandem {
 
 // Fills in `spec.declare`, `spec.started` and `spec.stopping` so the member
 // follows its coordinator; `extra_declare` and `extra_started` add the role's own.
-void MakeMemberSpec(DaemonSpec& spec, std::function<void(OptionSet&)> extra_declare,
+void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
                     std::function<Status(Daemon&)> extra_started);
 
 }  // namespace tandem

@@ -14,7 +14,7 @@ DaemonSpec MakeDaemonSpec() {
   spec.epilog =
       "The server follows the coordinator at --coordinator-address: it stays up while the coordinator is\n"
       "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
-  MakeMemberSpec(spec, nullptr, nullptr);
+  MakeMemberSpec(spec, v1::ROLE_SERVER, nullptr, nullptr);
   return spec;
 }
 

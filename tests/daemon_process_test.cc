@@ -64,7 +64,7 @@ TEST_P(DaemonTest, ServesHealthAndValidMetricsAndStopsCleanlyOnSigterm) {
     auto c = Start("tandem-coordinator", dir);
     ASSERT_TRUE(c.ok()) << c.status().ToString();
     coordinator = std::move(*c);
-    args = {"--coordinator-address", coordinator->ready.grpc_address, "--coordinator-check-interval", "100ms"};
+    args = {"--coordinator-address", coordinator->ready.grpc_address};
   }
   auto d = Start(GetParam(), dir, args);
   ASSERT_TRUE(d.ok()) << d.status().ToString();
@@ -186,8 +186,7 @@ TEST(DaemonRobustnessTest, GarbageOnBothPortsLeavesTheDaemonServing) {
 
 TEST(DaemonRobustnessTest, MemberWaitsForAnAbsentCoordinatorInsteadOfExiting) {
   TempDir dir;
-  auto w =
-      Start("tandem-worker", dir, {"--coordinator-address", "127.0.0.1:1", "--coordinator-check-interval", "50ms"});
+  auto w = Start("tandem-worker", dir, {"--coordinator-address", "127.0.0.1:1"});
   ASSERT_TRUE(w.ok()) << w.status().ToString();
   std::this_thread::sleep_for(milliseconds(300));
   EXPECT_TRUE(w->process->Running());

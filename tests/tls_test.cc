@@ -84,8 +84,7 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithAValidCertificate) {
 
   // A worker with the same CA and its own certificate reaches the coordinator and becomes ready.
   std::vector<std::string> worker_args = ServerTls();
-  worker_args.insert(worker_args.end(), {"--tls-server-name", "localhost", "--coordinator-address", address,
-                                         "--coordinator-check-interval", "100ms"});
+  worker_args.insert(worker_args.end(), {"--tls-server-name", "localhost", "--coordinator-address", address});
   auto worker = Start("tandem-worker", worker_args);
   ASSERT_TRUE(worker.ok()) << worker.status().ToString();
   testing::CommandResult ready;

@@ -18,7 +18,7 @@ DaemonSpec MakeDaemonSpec() {
   spec.epilog =
       "The worker follows the coordinator at --coordinator-address: it stays up while the coordinator is\n"
       "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
-  MakeMemberSpec(spec, nullptr, [](Daemon& daemon) -> Status {
+  MakeMemberSpec(spec, v1::ROLE_WORKER, nullptr, [](Daemon& daemon) -> Status {
     const gpu::GpuInfo info = gpu::Probe();
     spdlog::info("GPU backend: {}", gpu::Describe(info));
     int usable = 0;

@@ -1,0 +1,313 @@
+#include "common/member_session.h"
+
+#include <unistd.h>
+
+#include <google/protobuf/util/time_util.h>
+#include <spdlog/spdlog.h>
+
+#include "tandem/config.h"
+
+namespace tandem {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+
+// The coordinator no longer knows this member (or buried it): register anew.
+bool Forgotten(const grpc::Status& s) {
+  return s.error_code() == grpc::StatusCode::NOT_FOUND || s.error_code() == grpc::StatusCode::FAILED_PRECONDITION;
+}
+
+}  // namespace
+
+MemberSession::MemberSession(std::shared_ptr<grpc::Channel> channel, MemberSessionOptions options)
+    : channel_(std::move(channel)), stub_(v1::Coordinator::NewStub(channel_)), options_(std::move(options)) {
+  session_thread_ = std::thread([this] { Run(); });
+  heartbeat_thread_ = std::thread([this] { HeartbeatLoop(); });
+}
+
+MemberSession::~MemberSession() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    if (watch_context_ != nullptr) watch_context_->TryCancel();
+  }
+  cv_.notify_all();
+  session_thread_.join();
+  heartbeat_thread_.join();
+}
+
+uint64_t MemberSession::member_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return member_id_;
+}
+
+uint64_t MemberSession::epoch() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return epoch_.epoch();
+}
+
+std::optional<v1::RankAssignment> MemberSession::rank() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rank_;
+}
+
+bool MemberSession::WaitActive(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, timeout, [this] { return active_ || stop_; }) && active_;
+}
+
+bool MemberSession::Sleep(std::chrono::milliseconds d) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return !cv_.wait_for(lock, d, [this] { return stop_; });
+}
+
+void MemberSession::SetConnected(bool connected, const std::string& detail) {
+  if (connected_.exchange(connected) == connected) return;
+  if (options_.on_connection) options_.on_connection(connected, detail);
+}
+
+bool MemberSession::RegisterOnce(std::string* error) {
+  v1::RegisterRequest request;
+  request.set_job_id(options_.job_id);
+  request.set_token(options_.token);
+  request.set_role(options_.role);
+  *request.mutable_node() = options_.node;
+  for (const auto& e : options_.endpoints) *request.add_endpoints() = e;
+  request.set_control_address(options_.control_address);
+  request.set_capacity_bytes(options_.capacity_bytes);
+  request.set_version(TANDEM_VERSION);
+  request.set_pid(static_cast<uint32_t>(getpid()));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!reregister_) {
+      request.set_resume_member_id(member_id_);
+      request.set_resume_session_id(session_id_);
+    }
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::RegisterResponse response;
+  const grpc::Status s = stub_->Register(&ctx, request, &response);
+  if (!s.ok()) {
+    *error = Status::FromGrpc(s).ToString();
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const bool resumed = response.resumed();
+  if (!resumed) {
+    epoch_.Clear();
+    rank_.reset();
+    active_ = false;
+  }
+  if (incarnation_ != 0 && response.coordinator_incarnation() != incarnation_ && resumed) ++reattachments_;
+  member_id_ = response.member_id();
+  session_id_ = response.session_id();
+  incarnation_ = response.coordinator_incarnation();
+  heartbeat_interval_ = std::chrono::milliseconds(TimeUtil::DurationToMilliseconds(response.heartbeat_interval()));
+  reregister_ = false;
+  spdlog::info("{} coordinator as member {} of job '{}'", resumed ? "re-attached to the" : "registered with the",
+               member_id_, options_.job_id);
+  return true;
+}
+
+void MemberSession::Run() {
+  auto backoff = options_.retry_min;
+  bool registered = false;
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      if (reregister_) registered = false;
+    }
+    if (!registered) {
+      std::string error;
+      if (!RegisterOnce(&error)) {
+        SetConnected(false, error);
+        if (!Sleep(backoff)) return;
+        backoff = std::min(backoff * 2, options_.retry_max);
+        continue;
+      }
+      registered = true;
+    }
+    backoff = options_.retry_min;
+    WatchOnce();  // returns when the stream ends
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+    }
+    if (!Sleep(options_.retry_min)) return;
+    // The stream broke: re-attach (Register with resume keeps id and ranks).
+    registered = false;
+  }
+}
+
+void MemberSession::WatchOnce() {
+  grpc::ClientContext ctx;
+  v1::WatchMembershipRequest request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stop_) return;
+    request.set_job_id(options_.job_id);
+    request.set_member_id(member_id_);
+    request.set_session_id(session_id_);
+    request.set_token(options_.token);
+    request.set_last_epoch_seen(epoch_.epoch());
+    request.set_peer_view(v1::PEER_VIEW_FULL);
+    watch_context_ = &ctx;
+  }
+  auto reader = stub_->WatchMembership(&ctx, request);
+  SetConnected(true, "");
+  v1::WatchMembershipResponse update;
+  while (reader->Read(&update)) {
+    if (update.has_epoch()) {
+      HandleEpoch(update.epoch());
+    } else if (update.has_state_change()) {
+      const auto& change = update.state_change();
+      bool ack_again = false;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (change.epoch() == epoch_.epoch()) {
+          epoch_.set_state(change.state());
+          if (change.state() == v1::EPOCH_STATE_ACTIVE && rank_) {
+            active_ = true;
+            cv_.notify_all();
+          }
+          // A coordinator that restarted while the epoch was pending lost the
+          // acknowledgements: acknowledge again.
+          ack_again = change.state() == v1::EPOCH_STATE_PENDING;
+        }
+      }
+      if (change.state() == v1::EPOCH_STATE_ACTIVE) spdlog::info("epoch {} is active", change.epoch());
+      if (ack_again) Ack(change.epoch(), "");
+    }
+  }
+  const grpc::Status s = reader->Finish();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    watch_context_ = nullptr;
+    if (stop_) return;
+    if (Forgotten(s)) reregister_ = true;
+  }
+  if (Forgotten(s)) {
+    spdlog::warn("the coordinator ended this member: {}; registering again", s.error_message());
+  } else {
+    SetConnected(false, Status::FromGrpc(s).ToString());
+    spdlog::warn("membership stream ended ({}); re-attaching", Status::FromGrpc(s).ToString());
+  }
+}
+
+void MemberSession::HandleEpoch(const v1::MembershipEpoch& epoch) {
+  uint64_t my_id = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    my_id = member_id_;
+  }
+  const v1::Peer* me = nullptr;
+  for (const auto& p : epoch.peers()) {
+    if (p.member_id() == my_id) me = &p;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    epoch_ = epoch;
+    rank_.reset();
+    if (me != nullptr && me->has_rank()) rank_ = me->rank();
+    active_ = me != nullptr && epoch.state() == v1::EPOCH_STATE_ACTIVE;
+    if (active_) cv_.notify_all();
+  }
+  if (me == nullptr) {
+    spdlog::info("epoch {}: this member is on standby", epoch.epoch());
+    return;
+  }
+  if (me->has_rank()) {
+    spdlog::info("epoch {}: rank {} of {} (node {}, local rank {}), mesh dp={} tp={} pp={}", epoch.epoch(),
+                 me->rank().global_rank(), me->rank().world_size(), me->rank().node_rank(), me->rank().local_rank(),
+                 epoch.mesh().dp(), epoch.mesh().tp(), epoch.mesh().pp());
+  } else {
+    spdlog::info("epoch {}: {} workers, {} servers", epoch.epoch(), epoch.worker_count(), epoch.server_count());
+  }
+  Status joined = options_.on_epoch ? options_.on_epoch(epoch) : Status::Ok();
+  Ack(epoch.epoch(), joined.ok() ? "" : joined.message());
+}
+
+void MemberSession::Ack(uint64_t epoch, const std::string& error) {
+  v1::AckEpochRequest request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    request.set_job_id(options_.job_id);
+    request.set_member_id(member_id_);
+    request.set_session_id(session_id_);
+  }
+  request.set_token(options_.token);
+  request.set_epoch(epoch);
+  request.set_error(error);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::AckEpochResponse response;
+  const grpc::Status s = stub_->AckEpoch(&ctx, request, &response);
+  if (!s.ok() && s.error_code() != grpc::StatusCode::ABORTED) {
+    spdlog::warn("acknowledging epoch {} failed: {}", epoch, Status::FromGrpc(s).ToString());
+  }
+}
+
+void MemberSession::HeartbeatLoop() {
+  while (true) {
+    std::chrono::milliseconds interval{1000};
+    v1::HeartbeatRequest request;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      if (stop_) return;
+      interval = heartbeat_interval_;
+      request.set_job_id(options_.job_id);
+      request.set_member_id(member_id_);
+      request.set_session_id(session_id_);
+      request.set_epoch(epoch_.epoch());
+    }
+    if (request.member_id() != 0) {
+      request.set_token(options_.token);
+      request.set_step(step_);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + interval);
+      v1::HeartbeatResponse response;
+      const grpc::Status s = stub_->Heartbeat(&ctx, request, &response);
+      if (s.ok()) {
+        if (response.command() == v1::MEMBER_COMMAND_DRAIN && options_.on_drain) options_.on_drain();
+      } else if (Forgotten(s)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!reregister_) {
+          spdlog::warn("heartbeat refused: {}; registering again", s.error_message());
+          reregister_ = true;
+          if (watch_context_ != nullptr) watch_context_->TryCancel();
+        }
+      }
+    }
+    if (!Sleep(interval)) return;
+  }
+}
+
+Status MemberSession::Leave(const std::string& message, std::chrono::milliseconds timeout) {
+  v1::LeaveRequest request;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (member_id_ == 0) return FailedPrecondition("not registered");
+    request.set_job_id(options_.job_id);
+    request.set_member_id(member_id_);
+    request.set_session_id(session_id_);
+  }
+  request.set_token(options_.token);
+  request.set_reason(v1::LEAVE_REASON_SHUTDOWN);
+  request.set_message(message);
+  request.set_step(step_);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::LeaveResponse response;
+  const grpc::Status s = stub_->Leave(&ctx, request, &response);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+    if (watch_context_ != nullptr) watch_context_->TryCancel();
+  }
+  cv_.notify_all();
+  return Status::FromGrpc(s);
+}
+
+}  // namespace tandem

@@ -1,0 +1,110 @@
+// A member's session with the coordinator: what every worker and server runs.
+//
+// It registers (retrying with backoff while the coordinator is unreachable),
+// heartbeats at the interval the coordinator asks for, watches membership
+// epochs, hands each epoch the member is part of to `on_epoch` (where the
+// member rebuilds its communicators) and acknowledges it, and leaves
+// gracefully on Leave(). When the coordinator restarts, the session re-attaches
+// with its member id and session id: no new registration, no new rendezvous.
+// If the coordinator has forgotten or buried the member (declared dead), the
+// session registers afresh.
+//
+// Thread safety: thread-safe. Callbacks run on the session's threads, one at a
+// time per callback.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/status.h"
+#include "common/thread_annotations.h"
+#include "tandem/v1/coordinator.grpc.pb.h"
+
+namespace tandem {
+
+struct MemberSessionOptions {
+  std::string job_id = "default";
+  std::string token;
+  v1::Role role = v1::ROLE_WORKER;
+  v1::NodeIdentity node;
+  std::string control_address;
+  std::vector<v1::Endpoint> endpoints;
+  uint64_t capacity_bytes = 0;
+  // Called for each epoch this member is part of, before it is acknowledged;
+  // an error is reported to the coordinator (which then re-forms without it).
+  std::function<Status(const v1::MembershipEpoch&)> on_epoch;
+  // Called when the session becomes usable (registered and reachable) or not.
+  std::function<void(bool connected, const std::string& detail)> on_connection;
+  // Called when the coordinator asks the member to drain (finish and leave).
+  std::function<void()> on_drain;
+  // First and largest wait between attempts to reach the coordinator.
+  std::chrono::milliseconds retry_min{100};
+  std::chrono::milliseconds retry_max{2000};
+};
+
+class MemberSession {
+ public:
+  MemberSession(std::shared_ptr<grpc::Channel> channel, MemberSessionOptions options);
+  ~MemberSession();  // stops without leaving (use Leave() for a graceful exit)
+  MemberSession(const MemberSession&) = delete;
+  MemberSession& operator=(const MemberSession&) = delete;
+
+  // Tells the coordinator this member leaves, then stops the session.
+  Status Leave(const std::string& message, std::chrono::milliseconds timeout);
+
+  // The training step to report in heartbeats.
+  void SetStep(uint64_t step) { step_ = step; }
+
+  bool connected() const { return connected_; }
+  uint64_t member_id() const;
+  // The newest epoch seen (0: none yet) and this member's rank in it, if ranked.
+  uint64_t epoch() const;
+  std::optional<v1::RankAssignment> rank() const;
+  // Times the session re-attached to a restarted coordinator.
+  uint64_t reattachments() const { return reattachments_; }
+  // Waits until the member is part of an active epoch; false on timeout.
+  bool WaitActive(std::chrono::milliseconds timeout);
+
+ private:
+  void Run();
+  void HeartbeatLoop();
+  bool RegisterOnce(std::string* error);
+  void WatchOnce();
+  void HandleEpoch(const v1::MembershipEpoch& epoch);
+  void Ack(uint64_t epoch, const std::string& error);
+  void SetConnected(bool connected, const std::string& detail);
+  bool Sleep(std::chrono::milliseconds d);
+
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::Coordinator::Stub> stub_;
+  const MemberSessionOptions options_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ TANDEM_GUARDED_BY(mu_) = false;
+  uint64_t member_id_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t session_id_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t incarnation_ TANDEM_GUARDED_BY(mu_) = 0;
+  std::chrono::milliseconds heartbeat_interval_ TANDEM_GUARDED_BY(mu_){1000};
+  v1::MembershipEpoch epoch_ TANDEM_GUARDED_BY(mu_);
+  std::optional<v1::RankAssignment> rank_ TANDEM_GUARDED_BY(mu_);
+  bool active_ TANDEM_GUARDED_BY(mu_) = false;
+  bool reregister_ TANDEM_GUARDED_BY(mu_) = false;
+  grpc::ClientContext* watch_context_ TANDEM_GUARDED_BY(mu_) = nullptr;  // the open stream, to cancel it
+  std::atomic<bool> connected_{false};
+  std::atomic<uint64_t> step_{0};
+  std::atomic<uint64_t> reattachments_{0};
+  std::thread session_thread_;
+  std::thread heartbeat_thread_;
+};
+
+}  // namespace tandem

@@ -1,0 +1,1255 @@
+#include "coordinator/coordinator_core.h"
+
+#include <algorithm>
+#include <cctype>
+
+#include <google/protobuf/util/time_util.h>
+#include <spdlog/spdlog.h>
+
+#include "common/config.h"
+#include "coordinator/assignment.h"
+
+namespace tandem::coordinator {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+using std::chrono::milliseconds;
+
+constexpr size_t kMaxJobIdBytes = 128;
+constexpr size_t kMaxEndpoints = 16;
+constexpr size_t kMaxCollectives = 64;
+constexpr size_t kMaxHostnameBytes = 253;
+constexpr size_t kMaxValueBytes = 64 * 1024;
+constexpr size_t kMaxValues = 1024;
+constexpr uint32_t kMaxWorkers = 65536;
+// How long, and how many, members that left or died are remembered.
+constexpr milliseconds kForgetAfter{600000};
+constexpr size_t kMaxRemembered = 1024;
+
+milliseconds ToMs(const google::protobuf::Duration& d) {
+  return milliseconds(TimeUtil::DurationToMilliseconds(d));
+}
+google::protobuf::Duration FromMs(milliseconds ms) {
+  return TimeUtil::MillisecondsToDuration(ms.count());
+}
+google::protobuf::Timestamp Timestamp(int64_t unix_ms) {
+  return TimeUtil::MillisecondsToTimestamp(unix_ms);
+}
+
+std::string StateName(v1::MemberState s) {
+  switch (s) {
+    case v1::MEMBER_STATE_JOINING:
+      return "joining";
+    case v1::MEMBER_STATE_ACTIVE:
+      return "active";
+    case v1::MEMBER_STATE_DRAINING:
+      return "draining";
+    case v1::MEMBER_STATE_LEFT:
+      return "left";
+    case v1::MEMBER_STATE_DEAD:
+      return "dead";
+    case v1::MEMBER_STATE_HELD_OUT:
+      return "held_out";
+    default:
+      return "unspecified";
+  }
+}
+
+std::string RoleName(v1::Role r) {
+  return r == v1::ROLE_SERVER ? "server" : "worker";
+}
+
+// Compares secrets in time independent of where they differ.
+bool ConstantTimeEquals(const std::string& a, const std::string& b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= static_cast<unsigned char>(x ^ y);
+  }
+  return diff == 0;
+}
+
+Status ValidateJobId(const std::string& job_id) {
+  if (job_id.empty()) return InvalidArgument("job_id: empty; name the job (letters, digits, '.', '_', '-')");
+  if (job_id.size() > kMaxJobIdBytes) {
+    return InvalidArgument("job_id: {} bytes, at most {} accepted", job_id.size(), kMaxJobIdBytes);
+  }
+  for (char c : job_id) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument("job_id '{}': only letters, digits, '.', '_' and '-' are accepted", job_id);
+    }
+  }
+  return Status::Ok();
+}
+
+std::string HostKey(const v1::NodeIdentity& node) {
+  return node.node_id().empty() ? node.hostname() : node.node_id();
+}
+
+}  // namespace
+
+v1::JobSpec DefaultJobSpec() {
+  v1::JobSpec spec;
+  spec.set_min_workers(1);
+  spec.set_max_workers(1);
+  spec.set_min_servers(0);
+  *spec.mutable_last_call_window() = FromMs(milliseconds(500));
+  *spec.mutable_join_timeout() = FromMs(milliseconds(600000));
+  *spec.mutable_heartbeat_interval() = FromMs(milliseconds(1000));
+  *spec.mutable_heartbeat_deadline() = FromMs(milliseconds(3000));
+  *spec.mutable_stream_grace() = FromMs(milliseconds(500));
+  spec.set_partition_size_bytes(4u << 20);
+  return spec;
+}
+
+CoordinatorCore::CoordinatorCore(CoreOptions options, Store* store, const Clock* clock)
+    : options_(std::move(options)), store_(store), clock_(clock), random_(std::random_device{}()) {}
+
+uint64_t CoordinatorCore::incarnation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return incarnation_;
+}
+
+void CoordinatorCore::SetChangeListener(std::function<void()> listener) {
+  listener_ = std::move(listener);
+}
+
+void CoordinatorCore::FlushNotify(std::unique_lock<std::mutex>& lock) {
+  if (!notify_ || !listener_) return;
+  notify_ = false;
+  lock.unlock();
+  listener_();
+  lock.lock();
+}
+
+// --- durability ----------------------------------------------------------------
+
+uint64_t CoordinatorCore::Commit(internal::Record record) {
+  std::string payload;
+  record.SerializeToString(&payload);
+  last_sequence_ = store_->Append(std::move(payload));
+  ++stats_.records_appended;
+  Apply(record, /*live=*/true);
+  return last_sequence_;
+}
+
+void CoordinatorCore::Apply(const internal::Record& record, bool live) {
+  switch (record.change_case()) {
+    case internal::Record::kJob: {
+      Job& job = jobs_[record.job().job_id()];
+      job.spec = record.job();
+      break;
+    }
+    case internal::Record::kMember: {
+      const auto& m = record.member();
+      Job& job = jobs_[m.job_id()];
+      Member& member = job.members[m.member_id()];
+      member.record = m;
+      next_member_id_ = std::max(next_member_id_, m.member_id() + 1);
+      if (!live) {
+        // After a restart members get recovery_grace to re-attach: their last
+        // heartbeat counts as if it happened then, minus the usual deadline.
+        member.last_heartbeat = clock_->Now() + options_.recovery_grace - ToMs(job.spec.heartbeat_deadline());
+        member.joined = clock_->Now();
+      }
+      break;
+    }
+    case internal::Record::kEpoch: {
+      Job& job = jobs_[record.epoch().job_id()];
+      const bool new_epoch = record.epoch().epoch() != job.latest.epoch();
+      if (new_epoch) {
+        job.acked.clear();
+        job.values.clear();
+      }
+      job.latest = record.epoch();
+      job.latest_header = job.latest;
+      job.latest_header.clear_peers();
+      job.latest_index.clear();
+      for (int i = 0; i < job.latest.peers_size(); ++i) job.latest_index[job.latest.peers(i).member_id()] = i;
+      if (new_epoch) job.pending_acks = static_cast<size_t>(job.latest.peers_size());
+      job.latest_sequence = last_sequence_;
+      stats_.max_epoch = std::max(stats_.max_epoch, job.latest.epoch());
+      break;
+    }
+    case internal::Record::kHost: {
+      jobs_[record.host().job_id()].hosts[record.host().host()] = record.host();
+      break;
+    }
+    case internal::Record::kStep: {
+      Job& job = jobs_[record.step().job_id()];
+      job.step = std::max(job.step, record.step().step());
+      break;
+    }
+    case internal::Record::kIncarnation:
+      incarnation_ = std::max(incarnation_, record.incarnation());
+      break;
+    case internal::Record::CHANGE_NOT_SET:
+      break;
+  }
+  // Watchers care about epochs and about members that leave or die (their
+  // streams end); registrations and progress need not wake them.
+  if (live && (record.has_epoch() || (record.has_member() && record.member().state() != v1::MEMBER_STATE_JOINING &&
+                                      record.member().state() != v1::MEMBER_STATE_ACTIVE))) {
+    NotifyLater();
+  }
+}
+
+void CoordinatorCore::MaybeSnapshot() {
+  if (last_sequence_ - snapshot_sequence_ < options_.snapshot_every_records) return;
+  internal::Snapshot snapshot;
+  snapshot.set_format(1);
+  snapshot.set_incarnation(incarnation_);
+  snapshot.add_records()->set_incarnation(incarnation_);
+  for (const auto& [id, job] : jobs_) {
+    *snapshot.add_records()->mutable_job() = job.spec;
+    for (const auto& [host, record] : job.hosts) *snapshot.add_records()->mutable_host() = record;
+    for (const auto& [member_id, member] : job.members) *snapshot.add_records()->mutable_member() = member.record;
+    if (job.latest.epoch() > 0) *snapshot.add_records()->mutable_epoch() = job.latest;
+    auto* step = snapshot.add_records()->mutable_step();
+    step->set_job_id(id);
+    step->set_step(job.step);
+  }
+  std::string payload;
+  snapshot.SerializeToString(&payload);
+  // Every record up to last_sequence_ is in memory; the snapshot stands for them.
+  if (Status s = store_->WriteSnapshot(last_sequence_, std::move(payload)); !s.ok()) {
+    spdlog::error("cannot write a snapshot: {}", s.message());
+    return;
+  }
+  snapshot_sequence_ = last_sequence_;
+}
+
+Status CoordinatorCore::Recover() {
+  TANDEM_ASSIGN_OR_RETURN(Recovery recovery, store_->Recover());
+  std::unique_lock<std::mutex> lock(mu_);
+  for (const auto& w : recovery.warnings) spdlog::warn("store: {}", w);
+  recovering_ = true;
+  if (recovery.snapshot_sequence > 0) {
+    internal::Snapshot snapshot;
+    if (!snapshot.ParseFromString(recovery.snapshot)) {
+      return DataLoss("snapshot {} cannot be parsed", recovery.snapshot_sequence);
+    }
+    if (snapshot.format() != 1) {
+      return DataLoss("snapshot {} has format {}; this coordinator reads format 1", recovery.snapshot_sequence,
+                      snapshot.format());
+    }
+    last_sequence_ = recovery.snapshot_sequence;
+    for (const auto& r : snapshot.records()) Apply(r, /*live=*/false);
+    snapshot_sequence_ = recovery.snapshot_sequence;
+  }
+  for (const auto& [sequence, payload] : recovery.records) {
+    internal::Record record;
+    if (!record.ParseFromString(payload)) return DataLoss("log record {} cannot be parsed", sequence);
+    last_sequence_ = sequence;
+    Apply(record, /*live=*/false);
+  }
+  recovering_ = false;
+  // Epochs published before the restart are durable (the log says so); their
+  // acknowledgements were not kept, so a pending epoch waits for members to
+  // acknowledge again when they re-attach.
+  internal::Record incarnation;
+  incarnation.set_incarnation(incarnation_ + 1);
+  const uint64_t seq = Commit(incarnation);
+  size_t members = 0;
+  for (const auto& [id, job] : jobs_) members += job.members.size();
+  spdlog::info("recovered {} job(s), {} member(s), {} record(s) after snapshot {}; incarnation {}", jobs_.size(),
+               members, recovery.records.size(), recovery.snapshot_sequence, incarnation_);
+  lock.unlock();
+  return store_->WaitDurable(seq);
+}
+
+// --- validation ------------------------------------------------------------------
+
+Status CoordinatorCore::CheckToken(const std::string& token) const {
+  if (options_.token.empty()) return Status::Ok();
+  if (token.empty()) return Unauthenticated("token: this coordinator requires a join token");
+  if (!ConstantTimeEquals(token, options_.token)) return Unauthenticated("token: wrong join token");
+  return Status::Ok();
+}
+
+Result<CoordinatorCore::Job*> CoordinatorCore::FindJob(const std::string& job_id) {
+  TANDEM_RETURN_IF_ERROR(ValidateJobId(job_id));
+  auto it = jobs_.find(job_id);
+  if (it == jobs_.end() || it->second.spec.job_id().empty()) return NotFound("job_id: unknown job '{}'", job_id);
+  return &it->second;
+}
+
+Result<CoordinatorCore::Member*> CoordinatorCore::FindMember(Job& job, uint64_t member_id, uint64_t session_id) {
+  if (member_id == 0) return InvalidArgument("member_id: missing (0)");
+  auto it = job.members.find(member_id);
+  if (it == job.members.end()) {
+    return NotFound(
+        "member_id: member {} is not known in job '{}' (it left or was declared dead long ago); register "
+        "again",
+        member_id, job.spec.job_id());
+  }
+  Member& m = it->second;
+  if (session_id != m.record.session_id()) {
+    return FailedPrecondition("session_id: {} is not member {}'s current session; register again", session_id,
+                              member_id);
+  }
+  if (m.record.state() == v1::MEMBER_STATE_DEAD || m.record.state() == v1::MEMBER_STATE_LEFT) {
+    return FailedPrecondition("member {} is {}: {}; register again", member_id, StateName(m.record.state()),
+                              m.record.detail());
+  }
+  return &m;
+}
+
+Result<v1::JobSpec> CoordinatorCore::ValidateSpec(const v1::JobSpec& requested) const {
+  // Layers: built-in defaults, the coordinator's defaults, the request. A
+  // plain MergeFrom would merge a Duration's seconds and nanos separately
+  // (1 s merged with 400 ms gives 1.4 s), so durations are replaced whole.
+  v1::JobSpec spec = DefaultJobSpec();
+  for (const v1::JobSpec* layer : {&options_.job_defaults, &requested}) {
+    v1::JobSpec merged = spec;
+    merged.MergeFrom(*layer);
+    if (layer->has_last_call_window()) *merged.mutable_last_call_window() = layer->last_call_window();
+    if (layer->has_join_timeout()) *merged.mutable_join_timeout() = layer->join_timeout();
+    if (layer->has_heartbeat_interval()) *merged.mutable_heartbeat_interval() = layer->heartbeat_interval();
+    if (layer->has_heartbeat_deadline()) *merged.mutable_heartbeat_deadline() = layer->heartbeat_deadline();
+    if (layer->has_stream_grace()) *merged.mutable_stream_grace() = layer->stream_grace();
+    spec = std::move(merged);
+  }
+  TANDEM_RETURN_IF_ERROR(ValidateJobId(spec.job_id()).WithContext("job_spec"));
+  if (spec.min_workers() < 1) return InvalidArgument("job_spec.min_workers: must be at least 1");
+  if (spec.max_workers() < spec.min_workers()) spec.set_max_workers(spec.min_workers());
+  if (spec.max_workers() > kMaxWorkers) {
+    return InvalidArgument("job_spec.max_workers: {} is more than {}", spec.max_workers(), kMaxWorkers);
+  }
+  if (spec.max_workers() + spec.min_servers() > options_.max_members_per_job) {
+    return InvalidArgument("job_spec: {} workers and {} servers exceed this coordinator's limit of {} members",
+                           spec.max_workers(), spec.min_servers(), options_.max_members_per_job);
+  }
+  for (const auto* dim : {&spec.mesh()}) {
+    if (dim->dp() > kMaxMeshDimension || dim->tp() > kMaxMeshDimension || dim->pp() > kMaxMeshDimension) {
+      return InvalidArgument("job_spec.mesh: dimensions above {} are not accepted", kMaxMeshDimension);
+    }
+  }
+  const auto check_duration = [](const google::protobuf::Duration& d, const char* name, milliseconds lo,
+                                 milliseconds hi) -> Status {
+    const milliseconds v = ToMs(d);
+    if (v < lo || v > hi) {
+      return InvalidArgument("job_spec.{}: {} is out of range {}..{}", name, FormatDuration(v), FormatDuration(lo),
+                             FormatDuration(hi));
+    }
+    return Status::Ok();
+  };
+  TANDEM_RETURN_IF_ERROR(
+      check_duration(spec.last_call_window(), "last_call_window", milliseconds(0), milliseconds(600000)));
+  TANDEM_RETURN_IF_ERROR(
+      check_duration(spec.join_timeout(), "join_timeout", milliseconds(100), milliseconds(86400000)));
+  TANDEM_RETURN_IF_ERROR(
+      check_duration(spec.heartbeat_interval(), "heartbeat_interval", milliseconds(10), milliseconds(60000)));
+  TANDEM_RETURN_IF_ERROR(
+      check_duration(spec.heartbeat_deadline(), "heartbeat_deadline", milliseconds(20), milliseconds(600000)));
+  TANDEM_RETURN_IF_ERROR(check_duration(spec.stream_grace(), "stream_grace", milliseconds(0), milliseconds(600000)));
+  if (ToMs(spec.heartbeat_deadline()) <= ToMs(spec.heartbeat_interval())) {
+    return InvalidArgument("job_spec.heartbeat_deadline ({}) must be longer than heartbeat_interval ({})",
+                           FormatDuration(ToMs(spec.heartbeat_deadline())),
+                           FormatDuration(ToMs(spec.heartbeat_interval())));
+  }
+  if (spec.partition_size_bytes() < 4096 || spec.partition_size_bytes() % 4 != 0) {
+    return InvalidArgument("job_spec.partition_size_bytes: {} must be at least 4096 and a multiple of 4",
+                           spec.partition_size_bytes());
+  }
+  uint64_t tensor_elements = 0;
+  for (const auto& t : spec.tensors()) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) {
+      if (d < 0 || (d > 0 && n > kMaxParameterCount / static_cast<uint64_t>(d))) {
+        return InvalidArgument("job_spec.tensors['{}']: shape is negative or too large", t.name());
+      }
+      n *= static_cast<uint64_t>(d);
+    }
+    tensor_elements += n;
+    if (tensor_elements > kMaxParameterCount) {
+      return InvalidArgument("job_spec.tensors: more than {} parameters in all", kMaxParameterCount);
+    }
+  }
+  if (spec.parameter_count() == 0) spec.set_parameter_count(tensor_elements);
+  if (spec.parameter_count() > kMaxParameterCount) {
+    return InvalidArgument("job_spec.parameter_count: {} is more than {}", spec.parameter_count(), kMaxParameterCount);
+  }
+  if (tensor_elements != 0 && tensor_elements != spec.parameter_count()) {
+    return InvalidArgument("job_spec: parameter_count {} differs from the {} elements of the tensors",
+                           spec.parameter_count(), tensor_elements);
+  }
+  return spec;
+}
+
+// --- membership --------------------------------------------------------------------
+
+bool CoordinatorCore::Alive(const Member& m) {
+  const auto s = m.record.state();
+  return s == v1::MEMBER_STATE_JOINING || s == v1::MEMBER_STATE_ACTIVE || s == v1::MEMBER_STATE_DRAINING;
+}
+
+bool CoordinatorCore::InLatest(const Job& job, uint64_t member_id) const {
+  return job.latest_index.count(member_id) > 0;
+}
+
+void CoordinatorCore::SetMemberState(Job& job, Member& member, v1::MemberState state, const std::string& detail) {
+  (void)job;
+  internal::Record r;
+  *r.mutable_member() = member.record;
+  r.mutable_member()->set_state(state);
+  r.mutable_member()->set_detail(detail);
+  Commit(std::move(r));
+}
+
+Status CoordinatorCore::CreateJob(const v1::JobSpec& requested) {
+  TANDEM_ASSIGN_OR_RETURN(v1::JobSpec spec, ValidateSpec(requested));
+  uint64_t seq = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto it = jobs_.find(spec.job_id()); it != jobs_.end() && !it->second.spec.job_id().empty()) {
+      return AlreadyExists("job '{}' exists", spec.job_id());
+    }
+    internal::Record r;
+    *r.mutable_job() = spec;
+    seq = Commit(std::move(r));
+  }
+  spdlog::info("job '{}': {}..{} workers, at least {} servers, mesh dp={} tp={} pp={}, {} parameters", spec.job_id(),
+               spec.min_workers(), spec.max_workers(), spec.min_servers(), spec.mesh().dp(), spec.mesh().tp(),
+               spec.mesh().pp(), spec.parameter_count());
+  return store_->WaitDurable(seq);
+}
+
+Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(const v1::RegisterRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  TANDEM_RETURN_IF_ERROR(ValidateJobId(request.job_id()));
+  if (request.role() != v1::ROLE_WORKER && request.role() != v1::ROLE_SERVER) {
+    return InvalidArgument("role: must be ROLE_WORKER or ROLE_SERVER");
+  }
+  if (request.node().hostname().empty()) return InvalidArgument("node.hostname: empty");
+  if (request.node().hostname().size() > kMaxHostnameBytes || request.node().node_id().size() > kMaxHostnameBytes) {
+    return InvalidArgument("node: hostname and node_id may have at most {} bytes", kMaxHostnameBytes);
+  }
+  if (static_cast<size_t>(request.endpoints_size()) > kMaxEndpoints) {
+    return InvalidArgument("endpoints: {} given, at most {} accepted", request.endpoints_size(), kMaxEndpoints);
+  }
+  if (!request.control_address().empty()) {
+    TANDEM_RETURN_IF_ERROR(ParseHostPort(request.control_address()).status().WithContext("control_address"));
+  }
+
+  std::unique_lock<std::mutex> lock(mu_);
+  auto it = jobs_.find(request.job_id());
+  if (it == jobs_.end() || it->second.spec.job_id().empty()) {
+    if (!request.has_job_spec()) {
+      return NotFound("job_id: unknown job '{}', and the request carries no job_spec to create it", request.job_id());
+    }
+    if (!options_.allow_job_creation) {
+      return PermissionDenied("job_id: unknown job '{}'; this coordinator does not create jobs on registration",
+                              request.job_id());
+    }
+    if (request.job_spec().job_id() != request.job_id()) {
+      return InvalidArgument("job_spec.job_id '{}' differs from job_id '{}'", request.job_spec().job_id(),
+                             request.job_id());
+    }
+    TANDEM_ASSIGN_OR_RETURN(v1::JobSpec spec, ValidateSpec(request.job_spec()));
+    internal::Record r;
+    *r.mutable_job() = spec;
+    Commit(std::move(r));
+    spdlog::info("job '{}' created: {}..{} workers, {} servers at least, mesh dp={} tp={} pp={}, {} parameters",
+                 spec.job_id(), spec.min_workers(), spec.max_workers(), spec.min_servers(), spec.mesh().dp(),
+                 spec.mesh().tp(), spec.mesh().pp(), spec.parameter_count());
+  }
+  Job& job = jobs_[request.job_id()];
+  const auto now = clock_->Now();
+
+  // A member coming back (after a coordinator restart or a broken connection) keeps its id and ranks.
+  if (request.resume_member_id() != 0) {
+    auto m = job.members.find(request.resume_member_id());
+    if (m != job.members.end() && Alive(m->second) && m->second.record.session_id() == request.resume_session_id()) {
+      m->second.last_heartbeat = now;
+      Reply<v1::RegisterResponse> reply;
+      auto& r = reply.response;
+      r.set_member_id(m->first);
+      r.set_session_id(m->second.record.session_id());
+      r.set_resumed(true);
+      *r.mutable_heartbeat_interval() = job.spec.heartbeat_interval();
+      *r.mutable_heartbeat_deadline() = job.spec.heartbeat_deadline();
+      *r.mutable_stream_grace() = job.spec.stream_grace();
+      *r.mutable_job_spec() = job.spec;
+      r.set_coordinator_incarnation(incarnation_);
+      if (job.latest.epoch() > 0) *r.mutable_current_epoch() = View(job, m->first, v1::PEER_VIEW_FULL);
+      reply.durable_after = job.latest_sequence;
+      return reply;
+    }
+  }
+
+  const std::string host = HostKey(request.node());
+  if (auto h = job.hosts.find(host);
+      h != job.hosts.end() && h->second.held_out_until_unix_ms() > clock_->UnixMillis()) {
+    return FailedPrecondition("host '{}' is held out after {} failures for another {:.1f} s", host,
+                              h->second.failures(),
+                              (h->second.held_out_until_unix_ms() - clock_->UnixMillis()) / 1000.0);
+  }
+  size_t alive = 0;
+  size_t workers = 0;
+  for (const auto& [id, m] : job.members) {
+    if (!Alive(m)) continue;
+    ++alive;
+    if (m.record.role() == v1::ROLE_WORKER) ++workers;
+  }
+  if (alive >= options_.max_members_per_job) {
+    return ResourceExhausted("job '{}' already has {} members, the most this coordinator accepts", job.spec.job_id(),
+                             alive);
+  }
+
+  internal::Record r;
+  auto* m = r.mutable_member();
+  m->set_job_id(job.spec.job_id());
+  m->set_member_id(next_member_id_);
+  uint64_t session = 0;
+  while (session == 0) session = random_();
+  m->set_session_id(session);
+  m->set_role(request.role());
+  *m->mutable_node() = request.node();
+  *m->mutable_endpoints() = request.endpoints();
+  m->set_control_address(request.control_address());
+  m->set_capacity_bytes(request.capacity_bytes());
+  m->set_state(v1::MEMBER_STATE_JOINING);
+  m->set_registered_unix_ms(clock_->UnixMillis());
+  const uint64_t member_id = m->member_id();
+  uint64_t seq = Commit(std::move(r));
+  Member& member = job.members[member_id];
+  member.last_heartbeat = now;
+  member.joined = now;
+  if (!job.rendezvous_started && job.latest.epoch() == 0) job.rendezvous_started = now;
+  spdlog::debug("job '{}': {} {} registered from {} ({} workers alive)", job.spec.job_id(), RoleName(request.role()),
+                member_id, request.node().hostname(), workers + (request.role() == v1::ROLE_WORKER ? 1 : 0));
+
+  MaybeCloseRendezvous(job);
+  seq = last_sequence_;
+  Reply<v1::RegisterResponse> reply;
+  auto& resp = reply.response;
+  resp.set_member_id(member_id);
+  resp.set_session_id(session);
+  *resp.mutable_heartbeat_interval() = job.spec.heartbeat_interval();
+  *resp.mutable_heartbeat_deadline() = job.spec.heartbeat_deadline();
+  *resp.mutable_stream_grace() = job.spec.stream_grace();
+  *resp.mutable_job_spec() = job.spec;
+  resp.set_coordinator_incarnation(incarnation_);
+  if (job.latest.epoch() > 0) *resp.mutable_current_epoch() = View(job, member_id, v1::PEER_VIEW_SELF);
+  reply.durable_after = seq;
+  MaybeSnapshot();
+  FlushNotify(lock);
+  return reply;
+}
+
+void CoordinatorCore::MaybeCloseRendezvous(Job& job) {
+  const auto now = clock_->Now();
+  uint32_t joining_workers = 0;
+  uint32_t workers = 0;
+  uint32_t servers = 0;
+  bool joining_servers = false;
+  for (const auto& [id, m] : job.members) {
+    if (!Alive(m) || m.record.state() == v1::MEMBER_STATE_DRAINING) continue;
+    if (m.record.role() == v1::ROLE_WORKER) {
+      ++workers;
+      if (m.record.state() == v1::MEMBER_STATE_JOINING && !m.record.has_rank()) ++joining_workers;
+    } else {
+      ++servers;
+      if (!InLatest(job, id)) joining_servers = true;
+    }
+  }
+  const bool first = job.latest.epoch() == 0 || job.latest.worker_count() == 0;
+  if (first) {
+    if (workers < job.spec.min_workers() || servers < job.spec.min_servers()) {
+      job.waiting_reason = fmt::format("waiting for members: {} of {} workers and {} of {} servers registered", workers,
+                                       job.spec.min_workers(), servers, job.spec.min_servers());
+      job.window_closes.reset();
+      return;
+    }
+    if (workers >= job.spec.max_workers() || ToMs(job.spec.last_call_window()).count() == 0) {
+      PublishEpoch(job, v1::EPOCH_CAUSE_INITIAL, "rendezvous complete");
+      return;
+    }
+    if (!job.window_closes) {
+      job.window_closes = now + ToMs(job.spec.last_call_window());
+      job.waiting_reason = fmt::format("last call: {} workers registered; the rendezvous closes within {}", workers,
+                                       FormatDuration(ToMs(job.spec.last_call_window())));
+    } else if (now >= *job.window_closes) {
+      PublishEpoch(job, v1::EPOCH_CAUSE_INITIAL, "rendezvous complete");
+    }
+    return;
+  }
+  // A running job admits joiners at the next epoch, batching those that come together.
+  uint32_t ranked = 0;
+  for (const auto& p : job.latest.peers()) {
+    if (p.role() == v1::ROLE_WORKER) ++ranked;
+  }
+  const bool room = ranked < job.spec.max_workers();
+  if ((joining_workers == 0 || !room) && !joining_servers) {
+    job.window_closes.reset();
+    return;
+  }
+  if (!job.window_closes) {
+    job.window_closes = now + ToMs(job.spec.last_call_window());
+  } else if (now >= *job.window_closes) {
+    PublishEpoch(job, v1::EPOCH_CAUSE_JOIN, fmt::format("{} worker(s) joined", joining_workers));
+  }
+}
+
+bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail) {
+  job.window_closes.reset();
+  // Workers: survivors by their previous rank, then joiners in registration order, up to max_workers.
+  std::vector<const Member*> candidates;
+  std::vector<uint64_t> servers;
+  for (const auto& [id, m] : job.members) {
+    if (!Alive(m) || m.record.state() == v1::MEMBER_STATE_DRAINING) continue;
+    if (m.record.role() == v1::ROLE_SERVER) {
+      servers.push_back(id);
+    } else {
+      candidates.push_back(&m);
+    }
+  }
+  std::stable_sort(candidates.begin(), candidates.end(), [](const Member* a, const Member* b) {
+    if (a->record.has_rank() != b->record.has_rank()) return a->record.has_rank();
+    if (a->record.has_rank()) return a->record.rank() < b->record.rank();
+    return a->record.member_id() < b->record.member_id();
+  });
+  if (candidates.size() > job.spec.max_workers()) candidates.resize(job.spec.max_workers());
+  std::vector<WorkerSlot> slots;
+  for (const Member* m : candidates) {
+    WorkerSlot slot;
+    slot.member_id = m->record.member_id();
+    slot.node_id = HostKey(m->record.node());
+    if (m->record.has_rank()) slot.previous_rank = m->record.rank();
+    slots.push_back(std::move(slot));
+  }
+  auto plan = PlanMesh(std::move(slots), job.spec.mesh());
+  if (!plan.ok()) {
+    job.waiting_reason = "no epoch can form: " + plan.status().message();
+    spdlog::warn("job '{}': {}", job.spec.job_id(), job.waiting_reason);
+    return false;
+  }
+  v1::MembershipEpoch epoch;
+  epoch.set_epoch(job.latest.epoch() + 1);
+  epoch.set_job_id(job.spec.job_id());
+  *epoch.mutable_mesh() = plan->mesh;
+  epoch.set_state(v1::EPOCH_STATE_PENDING);
+  *epoch.mutable_created_time() = Timestamp(clock_->UnixMillis());
+  epoch.set_start_step(job.step);
+  epoch.set_cause(cause);
+  epoch.set_cause_detail(detail);
+  epoch.set_worker_count(static_cast<uint32_t>(plan->ranked.size()));
+  epoch.set_server_count(static_cast<uint32_t>(servers.size()));
+  std::set<uint64_t> ranked_ids;
+  for (const auto& [member_id, rank] : plan->ranked) {
+    const Member& m = job.members[member_id];
+    auto* peer = epoch.add_peers();
+    peer->set_member_id(member_id);
+    peer->set_role(v1::ROLE_WORKER);
+    *peer->mutable_rank() = rank;
+    *peer->mutable_node() = m.record.node();
+    *peer->mutable_endpoints() = m.record.endpoints();
+    peer->set_control_address(m.record.control_address());
+    ranked_ids.insert(member_id);
+  }
+  for (uint64_t id : servers) {
+    const Member& m = job.members[id];
+    auto* peer = epoch.add_peers();
+    peer->set_member_id(id);
+    peer->set_role(v1::ROLE_SERVER);
+    *peer->mutable_node() = m.record.node();
+    *peer->mutable_endpoints() = m.record.endpoints();
+    peer->set_control_address(m.record.control_address());
+  }
+  if (job.spec.parameter_count() > 0 && !servers.empty()) {
+    const uint64_t version = job.latest.shard_map().version() + 1;
+    if (job.latest.shard_map().partitions_size() > 0) {
+      auto change = ReassignShardMap(job.latest.shard_map(), servers, version);
+      if (change.ok()) {
+        *epoch.mutable_shard_map() = change->map;
+        if (!change->lost.empty()) {
+          spdlog::error("job '{}': {} partition(s) lost both their primary and their backup", job.spec.job_id(),
+                        change->lost.size());
+        }
+      } else {
+        spdlog::error("job '{}': shard map: {}", job.spec.job_id(), change.status().message());
+      }
+    } else {
+      auto map = BuildShardMap(job.spec.parameter_count(), job.spec.partition_size_bytes() / 4, servers, version);
+      if (map.ok()) {
+        *epoch.mutable_shard_map() = *map;
+      } else {
+        spdlog::error("job '{}': shard map: {}", job.spec.job_id(), map.status().message());
+      }
+    }
+  } else if (job.latest.shard_map().partitions_size() > 0) {
+    *epoch.mutable_shard_map() = job.latest.shard_map();  // no live server: keep the map until one returns
+  }
+
+  // Member records: ranks for the placed, standby for the rest.
+  for (const auto& [member_id, rank] : plan->ranked) {
+    Member& m = job.members[member_id];
+    if (m.record.state() == v1::MEMBER_STATE_ACTIVE && m.record.has_rank() && m.record.rank() == rank.global_rank()) {
+      continue;
+    }
+    internal::Record r;
+    *r.mutable_member() = m.record;
+    r.mutable_member()->set_state(v1::MEMBER_STATE_ACTIVE);
+    r.mutable_member()->set_rank(rank.global_rank());
+    r.mutable_member()->set_has_rank(true);
+    Commit(std::move(r));
+  }
+  for (uint64_t id : servers) {
+    Member& m = job.members[id];
+    if (m.record.state() != v1::MEMBER_STATE_ACTIVE) SetMemberState(job, m, v1::MEMBER_STATE_ACTIVE, "");
+  }
+  for (auto& [id, m] : job.members) {
+    if (m.record.role() == v1::ROLE_WORKER && Alive(m) && !ranked_ids.count(id) && m.record.has_rank()) {
+      internal::Record r;
+      *r.mutable_member() = m.record;
+      r.mutable_member()->set_has_rank(false);
+      r.mutable_member()->set_state(m.record.state() == v1::MEMBER_STATE_DRAINING ? v1::MEMBER_STATE_DRAINING
+                                                                                  : v1::MEMBER_STATE_JOINING);
+      r.mutable_member()->set_detail(plan->standby_reason);
+      Commit(std::move(r));
+    }
+  }
+  internal::Record r;
+  *r.mutable_epoch() = epoch;
+  Commit(std::move(r));
+  ++stats_.epochs_published;
+  job.waiting_reason = plan->standby.empty() ? "" : "standby: " + plan->standby_reason;
+  spdlog::info("job '{}': epoch {} published ({}): {} workers (dp={} tp={} pp={}), {} servers{}", job.spec.job_id(),
+               epoch.epoch(), detail, epoch.worker_count(), epoch.mesh().dp(), epoch.mesh().tp(), epoch.mesh().pp(),
+               epoch.server_count(), plan->standby.empty() ? "" : fmt::format(", {} on standby", plan->standby.size()));
+  return true;
+}
+
+void CoordinatorCore::MaybeActivate(Job& job) {
+  if (job.latest.state() != v1::EPOCH_STATE_PENDING || job.pending_acks > 0) return;
+  v1::MembershipEpoch epoch = job.latest;
+  epoch.set_state(v1::EPOCH_STATE_ACTIVE);
+  *epoch.mutable_activated_time() = Timestamp(clock_->UnixMillis());
+  internal::Record r;
+  *r.mutable_epoch() = epoch;
+  Commit(std::move(r));
+  const auto now = clock_->Now();
+  if (job.latest.epoch() == 1 && job.rendezvous_started) {
+    stats_.rendezvous_seconds.push_back(std::chrono::duration<double>(now - *job.rendezvous_started).count());
+    job.rendezvous_started.reset();
+  }
+  if (job.failure_detected) {
+    stats_.failure_to_epoch_seconds.push_back(std::chrono::duration<double>(now - *job.failure_detected).count());
+    job.failure_detected.reset();
+  }
+  spdlog::info("job '{}': epoch {} active", job.spec.job_id(), epoch.epoch());
+}
+
+void CoordinatorCore::DeclareDead(Job& job, Member& member, const std::string& why) {
+  const uint64_t id = member.record.member_id();
+  spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
+               member.record.node().hostname(), why);
+  ++stats_.failures_detected;
+  const bool in_epoch = InLatest(job, id);
+  SetMemberState(job, member, v1::MEMBER_STATE_DEAD, why);
+  // Host failure history: hold out a host that keeps failing, with exponential backoff.
+  const std::string host = HostKey(member.record.node());
+  internal::HostRecord h = job.hosts.count(host) ? job.hosts[host] : internal::HostRecord();
+  const int64_t now_ms = clock_->UnixMillis();
+  if (h.last_failure_unix_ms() != 0 && now_ms - h.last_failure_unix_ms() > options_.host_failure_reset.count()) {
+    h.set_failures(0);
+  }
+  h.set_job_id(job.spec.job_id());
+  h.set_host(host);
+  h.set_failures(h.failures() + 1);
+  h.set_last_failure_unix_ms(now_ms);
+  if (h.failures() >= options_.host_failures_before_holdout) {
+    const uint32_t exponent = std::min<uint32_t>(h.failures() - options_.host_failures_before_holdout, 20);
+    const int64_t backoff =
+        std::min<int64_t>(options_.host_backoff_base.count() << exponent, options_.host_backoff_max.count());
+    h.set_held_out_until_unix_ms(now_ms + backoff);
+    spdlog::warn("job '{}': host '{}' held out for {} after {} failures", job.spec.job_id(), host,
+                 FormatDuration(milliseconds(backoff)), h.failures());
+  }
+  internal::Record r;
+  *r.mutable_host() = h;
+  Commit(std::move(r));
+  if (in_epoch) {
+    if (!job.failure_detected) job.failure_detected = clock_->Now();
+    if (!PublishEpoch(job, v1::EPOCH_CAUSE_FAILURE, fmt::format("member {} failed: {}", id, why))) {
+      // Nothing can form (too few workers left): go back to waiting for a rendezvous.
+      MaybeCloseRendezvous(job);
+    }
+  }
+}
+
+Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  if (static_cast<size_t>(request.collectives_size()) > kMaxCollectives) {
+    return InvalidArgument("collectives: {} given, at most {} accepted", request.collectives_size(), kMaxCollectives);
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
+  if (request.epoch() > job->latest.epoch()) {
+    return InvalidArgument("epoch: {} is newer than the newest epoch {} of job '{}'", request.epoch(),
+                           job->latest.epoch(), job->spec.job_id());
+  }
+  ++stats_.heartbeats;
+  const auto now = clock_->Now();
+  member->last_heartbeat = now;
+  member->last_step = request.step();
+  member->epoch_seen = request.epoch();
+  member->collectives.assign(request.collectives().begin(), request.collectives().end());
+  if (request.step() > job->step && now - job->step_recorded >= milliseconds(1000)) {
+    internal::Record r;
+    r.mutable_step()->set_job_id(job->spec.job_id());
+    r.mutable_step()->set_step(request.step());
+    Commit(std::move(r));
+    job->step_recorded = now;
+  } else {
+    job->step = std::max(job->step, request.step());
+  }
+  v1::HeartbeatResponse response;
+  const bool durable = store_->durable_sequence() >= job->latest_sequence;
+  response.set_latest_epoch(durable ? job->latest.epoch() : member->epoch_seen);
+  response.set_active_epoch(job->latest.state() == v1::EPOCH_STATE_ACTIVE ? job->latest.epoch() : 0);
+  response.set_command(member->record.state() == v1::MEMBER_STATE_DRAINING ? v1::MEMBER_COMMAND_DRAIN
+                                                                           : v1::MEMBER_COMMAND_CONTINUE);
+  response.set_coordinator_incarnation(incarnation_);
+  return response;
+}
+
+Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(const v1::AckEpochRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
+  Reply<v1::AckEpochResponse> reply;
+  if (request.epoch() < job->latest.epoch()) {
+    return Aborted("epoch {} was superseded by epoch {}; acknowledge that one", request.epoch(), job->latest.epoch());
+  }
+  if (request.epoch() > job->latest.epoch() || request.epoch() == 0) {
+    return InvalidArgument("epoch: {} is not an epoch of job '{}' (newest: {})", request.epoch(), job->spec.job_id(),
+                           job->latest.epoch());
+  }
+  if (!InLatest(*job, member->record.member_id())) {
+    return FailedPrecondition("member {} is not part of epoch {} (on standby: {})", member->record.member_id(),
+                              request.epoch(), member->record.detail());
+  }
+  if (!request.error().empty()) {
+    DeclareDead(*job, *member, "could not join epoch " + std::to_string(request.epoch()) + ": " + request.error());
+    reply.durable_after = last_sequence_;
+    FlushNotify(lock);
+    return Aborted("epoch {} abandoned: member {} could not join it", request.epoch(), member->record.member_id());
+  }
+  member->last_heartbeat = clock_->Now();
+  if (job->acked.insert(member->record.member_id()).second) --job->pending_acks;
+  MaybeActivate(*job);
+  reply.response.set_state(job->latest.state());
+  reply.response.set_pending_acks(static_cast<uint32_t>(job->pending_acks));
+  reply.durable_after = last_sequence_;
+  MaybeSnapshot();
+  FlushNotify(lock);
+  return reply;
+}
+
+Result<CoordinatorCore::Reply<v1::LeaveResponse>> CoordinatorCore::Leave(const v1::LeaveRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
+  const uint64_t id = member->record.member_id();
+  const bool in_epoch = InLatest(*job, id);
+  spdlog::info("job '{}': {} {} leaves{}{}", job->spec.job_id(), RoleName(member->record.role()), id,
+               request.message().empty() ? "" : ": ", request.message());
+  SetMemberState(*job, *member, v1::MEMBER_STATE_LEFT,
+                 request.message().empty() ? "left" : "left: " + request.message());
+  Reply<v1::LeaveResponse> reply;
+  if (in_epoch && !PublishEpoch(*job, v1::EPOCH_CAUSE_LEAVE, fmt::format("member {} left", id))) {
+    MaybeCloseRendezvous(*job);
+  }
+  reply.response.set_next_epoch(job->latest.epoch());
+  reply.durable_after = last_sequence_;
+  MaybeSnapshot();
+  FlushNotify(lock);
+  return reply;
+}
+
+Status CoordinatorCore::PutEpochValue(const v1::PutEpochValueRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  if (request.key().empty() || request.key().size() > 256) return InvalidArgument("key: 1..256 bytes");
+  if (request.value().size() > kMaxValueBytes) {
+    return InvalidArgument("value: {} bytes, at most {} accepted", request.value().size(), kMaxValueBytes);
+  }
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_RETURN_IF_ERROR(FindMember(*job, request.member_id(), request.session_id()).status());
+  if (request.epoch() != job->latest.epoch()) {
+    return Aborted("epoch {} is not the current epoch {}", request.epoch(), job->latest.epoch());
+  }
+  auto it = job->values.find(request.key());
+  if (it != job->values.end()) {
+    if (it->second == request.value()) return Status::Ok();
+    return AlreadyExists("key '{}' already has a different value in epoch {}", request.key(), request.epoch());
+  }
+  if (job->values.size() >= kMaxValues)
+    return ResourceExhausted("epoch {} already has {} values", request.epoch(), kMaxValues);
+  job->values[request.key()] = request.value();
+  NotifyLater();
+  FlushNotify(lock);
+  return Status::Ok();
+}
+
+Result<v1::GetEpochValuesResponse> CoordinatorCore::GetEpochValues(const v1::GetEpochValuesRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  if (static_cast<size_t>(request.keys_size()) > kMaxValues) return InvalidArgument("keys: at most {}", kMaxValues);
+  std::lock_guard<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_RETURN_IF_ERROR(FindMember(*job, request.member_id(), request.session_id()).status());
+  if (request.epoch() != job->latest.epoch()) {
+    return Aborted("epoch {} is not the current epoch {}", request.epoch(), job->latest.epoch());
+  }
+  v1::GetEpochValuesResponse response;
+  for (const auto& key : request.keys()) {
+    auto it = job->values.find(key);
+    if (it == job->values.end()) {
+      response.add_missing_keys(key);
+    } else {
+      (*response.mutable_values())[key] = it->second;
+    }
+  }
+  return response;
+}
+
+// --- watch streams ----------------------------------------------------------------------
+
+Status CoordinatorCore::AttachStream(const v1::WatchMembershipRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::lock_guard<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
+  member->stream_attached = true;
+  member->stream_broken = false;
+  member->last_heartbeat = clock_->Now();
+  return Status::Ok();
+}
+
+void CoordinatorCore::DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto job = jobs_.find(job_id);
+  if (job == jobs_.end()) return;
+  auto m = job->second.members.find(member_id);
+  if (m == job->second.members.end() || m->second.record.session_id() != session_id) return;
+  m->second.stream_attached = false;
+  m->second.stream_broken = true;
+  m->second.stream_broken_at = clock_->Now();
+}
+
+v1::MembershipEpoch CoordinatorCore::View(const Job& job, uint64_t member_id, v1::PeerView view) const {
+  if (view == v1::PEER_VIEW_FULL || view == v1::PEER_VIEW_UNSPECIFIED) return job.latest;
+  v1::MembershipEpoch out = job.latest_header;  // no peers: partial views cost O(their size)
+  auto self = job.latest_index.find(member_id);
+  if (view == v1::PEER_VIEW_SELF) {
+    if (self != job.latest_index.end()) *out.add_peers() = job.latest.peers(self->second);
+    return out;
+  }
+  const std::string node = self != job.latest_index.end() ? HostKey(job.latest.peers(self->second).node()) : "";
+  for (const auto& p : job.latest.peers()) {
+    const bool local = !node.empty() && HostKey(p.node()) == node;
+    if (p.member_id() == member_id || local || p.role() == v1::ROLE_SERVER) *out.add_peers() = p;
+  }
+  return out;
+}
+
+Result<std::optional<v1::WatchMembershipResponse>> CoordinatorCore::NextUpdate(
+    const v1::WatchMembershipRequest& request, WatchPosition& position) {
+  std::lock_guard<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  auto m = job->members.find(request.member_id());
+  if (m == job->members.end() || m->second.record.session_id() != request.session_id()) {
+    return NotFound("member {} is no longer known; register again", request.member_id());
+  }
+  if (!Alive(m->second)) {
+    if (m->second.record.state() == v1::MEMBER_STATE_LEFT && m->second.record.detail().rfind("rendezvous", 0) == 0) {
+      return DeadlineExceeded("{}", m->second.record.detail());
+    }
+    return FailedPrecondition("member {} is {}: {}", request.member_id(), StateName(m->second.record.state()),
+                              m->second.record.detail());
+  }
+  if (job->latest.epoch() == 0 || store_->durable_sequence() < job->latest_sequence)
+    return std::optional<v1::WatchMembershipResponse>();
+  v1::WatchMembershipResponse response;
+  if (job->latest.epoch() > position.epoch) {
+    *response.mutable_epoch() = View(*job, request.member_id(), request.peer_view());
+  } else if (job->latest.epoch() == position.epoch && job->latest.state() != position.state) {
+    auto* change = response.mutable_state_change();
+    change->set_epoch(job->latest.epoch());
+    change->set_state(job->latest.state());
+    *change->mutable_time() =
+        job->latest.state() == v1::EPOCH_STATE_ACTIVE ? job->latest.activated_time() : job->latest.created_time();
+  } else {
+    return std::optional<v1::WatchMembershipResponse>();
+  }
+  position.epoch = job->latest.epoch();
+  position.state = job->latest.state();
+  return std::optional<v1::WatchMembershipResponse>(std::move(response));
+}
+
+// --- timers ----------------------------------------------------------------------------------
+
+void CoordinatorCore::Tick() {
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto now = clock_->Now();
+  // If the coordinator itself stalled (the machine was overloaded, the process
+  // was stopped), members could not be heard meanwhile: do not blame them.
+  if (last_tick_ && now - *last_tick_ > options_.stall_threshold) {
+    const auto stall = now - *last_tick_;
+    spdlog::warn("the coordinator did not run its timers for {}; extending every member's deadline by as much",
+                 FormatDuration(std::chrono::duration_cast<milliseconds>(stall)));
+    for (auto& [id, job] : jobs_) {
+      for (auto& [mid, m] : job.members) {
+        m.last_heartbeat += stall;
+        if (m.stream_broken) m.stream_broken_at += stall;
+      }
+    }
+  }
+  last_tick_ = now;
+  for (auto& [job_id, job] : jobs_) {
+    if (job.spec.job_id().empty()) continue;
+    const auto deadline = ToMs(job.spec.heartbeat_deadline());
+    const auto grace = ToMs(job.spec.stream_grace());
+    const auto join_timeout = ToMs(job.spec.join_timeout());
+    std::vector<std::pair<uint64_t, std::string>> dead;
+    std::vector<uint64_t> timed_out;
+    for (auto& [id, m] : job.members) {
+      if (!Alive(m)) continue;
+      if (now - m.last_heartbeat > deadline) {
+        dead.emplace_back(
+            id, fmt::format("no heartbeat for {}",
+                            FormatDuration(std::chrono::duration_cast<milliseconds>(now - m.last_heartbeat))));
+      } else if (m.stream_broken && now - m.stream_broken_at > grace) {
+        dead.emplace_back(
+            id, fmt::format("its membership stream broke and did not come back within {}", FormatDuration(grace)));
+      } else if (job.latest.epoch() == 0 && m.record.state() == v1::MEMBER_STATE_JOINING &&
+                 now - m.joined > join_timeout) {
+        timed_out.push_back(id);
+      }
+    }
+    for (const auto& [id, why] : dead) {
+      auto it = job.members.find(id);
+      if (it != job.members.end() && Alive(it->second)) DeclareDead(job, it->second, why);
+    }
+    if (!timed_out.empty()) {
+      const std::string why =
+          fmt::format("rendezvous did not complete within {}: {}", FormatDuration(join_timeout), job.waiting_reason);
+      for (uint64_t id : timed_out) {
+        auto it = job.members.find(id);
+        if (it != job.members.end()) SetMemberState(job, it->second, v1::MEMBER_STATE_LEFT, why);
+      }
+      spdlog::warn("job '{}': {} member(s) gave up: {}", job_id, timed_out.size(), why);
+    }
+    MaybeCloseRendezvous(job);
+    // Members that left or died are remembered for a while (so they learn
+    // why, and `tandem status` shows them), then forgotten.
+    size_t gone = 0;
+    for (const auto& [id, m] : job.members) gone += Alive(m) ? 0 : 1;
+    for (auto it = job.members.begin(); it != job.members.end();) {
+      const bool old = now - it->second.last_heartbeat > kForgetAfter || gone > kMaxRemembered;
+      if (!Alive(it->second) && !InLatest(job, it->first) && old) {
+        it = job.members.erase(it);
+        --gone;
+      } else {
+        ++it;
+      }
+    }
+  }
+  MaybeSnapshot();
+  FlushNotify(lock);
+}
+
+// --- status and admin --------------------------------------------------------------------------
+
+Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::lock_guard<std::mutex> lock(mu_);
+  if (request.job_id().empty() && jobs_.size() == 1) {
+    // With one job, `tandem status` need not name it.
+  } else {
+    TANDEM_RETURN_IF_ERROR(FindJob(request.job_id()).status());
+  }
+  const Job& job = request.job_id().empty() ? jobs_.begin()->second : jobs_.at(request.job_id());
+  if (jobs_.empty()) return NotFound("no job is known to this coordinator");
+  const auto now = clock_->Now();
+  v1::GetStatusResponse response;
+  *response.mutable_job_spec() = job.spec;
+  if (job.latest.state() == v1::EPOCH_STATE_ACTIVE) {
+    response.set_active_epoch(job.latest.epoch());
+    *response.mutable_active_since() = job.latest.activated_time();
+  } else if (job.latest.epoch() > 0) {
+    response.set_pending_epoch(job.latest.epoch());
+  }
+  *response.mutable_mesh() = job.latest.mesh();
+  *response.mutable_shard_map() = job.latest.shard_map();
+  response.set_step(job.step);
+  response.set_coordinator_incarnation(incarnation_);
+  std::map<uint64_t, v1::RankAssignment> ranks;
+  for (const auto& p : job.latest.peers()) {
+    if (p.has_rank()) ranks[p.member_id()] = p.rank();
+  }
+  uint32_t waiting_workers = 0;
+  uint32_t waiting_servers = 0;
+  const auto interval = ToMs(job.spec.heartbeat_interval());
+  for (const auto& [id, m] : job.members) {
+    auto* s = response.add_members();
+    s->set_member_id(id);
+    s->set_role(m.record.role());
+    s->set_state(m.record.state());
+    if (auto r = ranks.find(id); r != ranks.end()) *s->mutable_rank() = r->second;
+    *s->mutable_node() = m.record.node();
+    s->set_last_step(m.last_step);
+    const auto age = std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(now - m.last_heartbeat));
+    *s->mutable_last_heartbeat_age() = FromMs(age);
+    s->set_epoch(m.epoch_seen);
+    *s->mutable_collectives() = {m.collectives.begin(), m.collectives.end()};
+    s->set_control_address(m.record.control_address());
+    *s->mutable_registered_time() = Timestamp(m.record.registered_unix_ms());
+    s->set_capacity_bytes(m.record.capacity_bytes());
+    if (auto h = job.hosts.find(HostKey(m.record.node())); h != job.hosts.end()) {
+      s->set_host_failures(h->second.failures());
+      if (h->second.held_out_until_unix_ms() > 0)
+        *s->mutable_held_out_until() = Timestamp(h->second.held_out_until_unix_ms());
+    }
+    if (age > 2 * interval) {
+      s->set_health(v1::MEMBER_HEALTH_LATE);
+    } else if (m.record.role() == v1::ROLE_WORKER && job.step > m.last_step + 2 && Alive(m)) {
+      s->set_health(v1::MEMBER_HEALTH_STRAGGLER);
+    } else {
+      s->set_health(v1::MEMBER_HEALTH_HEALTHY);
+    }
+    if (Alive(m) && m.record.state() == v1::MEMBER_STATE_JOINING) {
+      (m.record.role() == v1::ROLE_WORKER ? waiting_workers : waiting_servers)++;
+    }
+  }
+  // A collective is stalled when some members of the epoch entered it and others did not.
+  std::map<std::string, uint64_t> newest;
+  for (const auto& [id, m] : job.members) {
+    for (const auto& c : m.collectives) newest[c.communicator()] = std::max(newest[c.communicator()], c.last_entered());
+  }
+  for (const auto& [name, seq] : newest) {
+    v1::StalledCollective stalled;
+    stalled.set_communicator(name);
+    stalled.set_sequence(seq);
+    milliseconds longest{0};
+    for (const auto& [id, m] : job.members) {
+      if (!InLatest(job, id) || m.record.role() != v1::ROLE_WORKER) continue;
+      uint64_t entered = 0;
+      for (const auto& c : m.collectives) {
+        if (c.communicator() == name) {
+          entered = c.last_entered();
+          if (c.last_entered() == seq && c.last_completed() < seq) longest = std::max(longest, ToMs(c.in_flight()));
+        }
+      }
+      if (entered < seq) {
+        stalled.add_waiting_for_member_ids(id);
+        if (auto r = ranks.find(id); r != ranks.end()) stalled.add_waiting_for_ranks(r->second.global_rank());
+      }
+    }
+    if (stalled.waiting_for_member_ids_size() > 0) {
+      *stalled.mutable_stalled_for() = FromMs(longest);
+      *response.add_stalled_collectives() = std::move(stalled);
+    }
+  }
+  auto* rv = response.mutable_rendezvous();
+  rv->set_open(job.latest.epoch() == 0 || job.window_closes.has_value());
+  rv->set_waiting_workers(waiting_workers);
+  rv->set_waiting_servers(waiting_servers);
+  if (job.window_closes) {
+    const auto left = std::chrono::duration_cast<milliseconds>(*job.window_closes - now);
+    *rv->mutable_closes_at() = Timestamp(clock_->UnixMillis() + left.count());
+  }
+  return response;
+}
+
+Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v1::DrainRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  auto it = job->members.find(request.member_id());
+  if (it == job->members.end() || !Alive(it->second)) {
+    return NotFound("member_id: no live member {} in job '{}'", request.member_id(), job->spec.job_id());
+  }
+  Reply<v1::DrainResponse> reply;
+  if (it->second.record.state() != v1::MEMBER_STATE_DRAINING) {
+    const bool in_epoch = InLatest(*job, request.member_id());
+    SetMemberState(*job, it->second, v1::MEMBER_STATE_DRAINING,
+                   request.reason().empty() ? "drained by an administrator" : "drained: " + request.reason());
+    if (in_epoch) PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN, fmt::format("member {} drained", request.member_id()));
+  }
+  reply.response.set_state(v1::MEMBER_STATE_DRAINING);
+  reply.durable_after = last_sequence_;
+  FlushNotify(lock);
+  return reply;
+}
+
+Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v1::ScaleRequest& request) {
+  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
+  std::unique_lock<std::mutex> lock(mu_);
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  v1::JobSpec wanted = job->spec;
+  if (request.min_workers() != 0) wanted.set_min_workers(request.min_workers());
+  if (request.max_workers() != 0) wanted.set_max_workers(request.max_workers());
+  if (wanted.max_workers() < wanted.min_workers()) {
+    return InvalidArgument("max_workers ({}) is below min_workers ({})", wanted.max_workers(), wanted.min_workers());
+  }
+  TANDEM_ASSIGN_OR_RETURN(v1::JobSpec spec, ValidateSpec(wanted));
+  internal::Record r;
+  *r.mutable_job() = spec;
+  Commit(std::move(r));
+  Reply<v1::ScaleResponse> reply;
+  // Too many workers: drain the highest ranks.
+  std::vector<std::pair<uint32_t, uint64_t>> ranked;
+  for (const auto& p : job->latest.peers()) {
+    if (p.role() == v1::ROLE_WORKER) ranked.emplace_back(p.rank().global_rank(), p.member_id());
+  }
+  std::sort(ranked.rbegin(), ranked.rend());
+  uint32_t workers = static_cast<uint32_t>(ranked.size());
+  for (const auto& [rank, id] : ranked) {
+    if (workers <= spec.max_workers()) break;
+    auto m = job->members.find(id);
+    if (m == job->members.end() || !Alive(m->second)) continue;
+    SetMemberState(*job, m->second, v1::MEMBER_STATE_DRAINING, "drained to scale down");
+    reply.response.add_drained_member_ids(id);
+    --workers;
+  }
+  if (reply.response.drained_member_ids_size() > 0) {
+    PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN, fmt::format("scaled to at most {} workers", spec.max_workers()));
+  } else {
+    MaybeCloseRendezvous(*job);
+  }
+  spdlog::info("job '{}': scaled to {}..{} workers", job->spec.job_id(), spec.min_workers(), spec.max_workers());
+  *reply.response.mutable_job_spec() = job->spec;
+  reply.response.set_workers(workers);
+  reply.durable_after = last_sequence_;
+  FlushNotify(lock);
+  return reply;
+}
+
+uint64_t CoordinatorCore::epoch_sequence() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t seq = 0;
+  for (const auto& [id, job] : jobs_) seq = std::max(seq, job.latest_sequence);
+  return seq;
+}
+
+CoreStats CoordinatorCore::TakeStats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  CoreStats out = stats_;
+  stats_.rendezvous_seconds.clear();
+  stats_.failure_to_epoch_seconds.clear();
+  out.members.clear();
+  for (const auto& [id, job] : jobs_) {
+    for (const auto& [mid, m] : job.members) ++out.members[{RoleName(m.record.role()), StateName(m.record.state())}];
+  }
+  return out;
+}
+
+}  // namespace tandem::coordinator

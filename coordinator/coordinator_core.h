@@ -1,0 +1,219 @@
+// The coordinator's logic, apart from gRPC: jobs, registration, rendezvous,
+// rank and mesh assignment, membership epochs and their acknowledgements,
+// liveness, elastic joins and leaves, the parameter-server shard map, and
+// durability through a Store.
+//
+// Every change is one internal::Record: it is appended to the store and
+// applied to memory by the same Apply() that replays the log after a
+// restart, so a restarted coordinator holds exactly what it had. Mutating
+// calls return the store sequence their reply must wait for (the caller
+// waits for durability before answering); watchers see an epoch only once its
+// record is durable, so no member ever acts on an epoch a crash could undo.
+//
+// Time comes from a Clock, so tests move it instead of sleeping; Tick() runs
+// the timers (heartbeat deadlines, stream grace, rendezvous windows, join
+// timeouts) and is called by the service every few tens of milliseconds.
+//
+// Thread safety: thread-safe (one mutex guards all jobs).
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <random>
+#include <set>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "common/thread_annotations.h"
+#include "coordinator/store.h"
+#include "tandem/internal/coordinator_state.pb.h"
+#include "tandem/v1/coordinator.pb.h"
+
+namespace tandem::coordinator {
+
+struct CoreOptions {
+  // Join token every request must carry; empty: none required.
+  std::string token;
+  // Whether a Register carrying a JobSpec may create an unknown job.
+  bool allow_job_creation = true;
+  // Defaults for the fields a registering JobSpec leaves unset.
+  v1::JobSpec job_defaults;
+  // Most members (workers and servers) one job may have.
+  uint32_t max_members_per_job = 16384;
+  // Host hold-out after repeated failures: first hold-out, cap, and the quiet
+  // period after which a host's failure count resets.
+  std::chrono::milliseconds host_backoff_base{5000};
+  std::chrono::milliseconds host_backoff_max{300000};
+  std::chrono::milliseconds host_failure_reset{600000};
+  // Failures before a host is held out at all.
+  uint32_t host_failures_before_holdout = 2;
+  // After a restart, how long recovered members have to re-attach (heartbeat
+  // or re-register) before the usual deadline applies again.
+  std::chrono::milliseconds recovery_grace{10000};
+  // Timers that have not run for this long mean the coordinator stalled;
+  // members' deadlines are then extended by the stall instead of expiring.
+  std::chrono::milliseconds stall_threshold{1000};
+  // Write a snapshot (and drop the log before it) after this many records.
+  uint64_t snapshot_every_records = 50000;
+};
+
+// The built-in defaults of a job spec (heartbeat 1 s, deadline 3 s, …).
+v1::JobSpec DefaultJobSpec();
+
+// Where a watch stream is: what it has sent so far.
+struct WatchPosition {
+  uint64_t epoch = 0;
+  v1::EpochState state = v1::EPOCH_STATE_UNSPECIFIED;
+};
+
+// Counters and gauges the service exports as metrics.
+struct CoreStats {
+  uint64_t heartbeats = 0;
+  uint64_t failures_detected = 0;
+  uint64_t epochs_published = 0;
+  uint64_t records_appended = 0;
+  // Members by role ("worker", "server") and state ("joining", "active", …).
+  std::map<std::pair<std::string, std::string>, uint64_t> members;
+  uint64_t max_epoch = 0;  // over all jobs
+  // Durations observed since the last call (seconds), drained by TakeStats.
+  std::vector<double> rendezvous_seconds;        // first registration to epoch 1 active
+  std::vector<double> failure_to_epoch_seconds;  // failure detected to the next epoch active
+};
+
+class CoordinatorCore {
+ public:
+  // `store` and `clock` must outlive the core.
+  CoordinatorCore(CoreOptions options, Store* store, const Clock* clock);
+
+  // Reads the store (snapshot and log), rebuilds every job, and records a new
+  // incarnation. Members get a fresh heartbeat deadline to re-attach.
+  // REQUIRES: called once, before anything else.
+  Status Recover();
+  uint64_t incarnation() const;
+
+  template <typename T>
+  struct Reply {
+    T response;
+    uint64_t durable_after = 0;  // reply only once the store is durable up to here
+  };
+
+  // Creates a job from a spec (the coordinator's configured job). Returns
+  // ALREADY_EXISTS if it exists.
+  Status CreateJob(const v1::JobSpec& spec);
+
+  Result<Reply<v1::RegisterResponse>> Register(const v1::RegisterRequest& request);
+  Result<v1::HeartbeatResponse> Heartbeat(const v1::HeartbeatRequest& request);
+  Result<Reply<v1::AckEpochResponse>> AckEpoch(const v1::AckEpochRequest& request);
+  Result<Reply<v1::LeaveResponse>> Leave(const v1::LeaveRequest& request);
+  Status PutEpochValue(const v1::PutEpochValueRequest& request);
+  // Returns the values present now; missing keys are listed in missing_keys.
+  Result<v1::GetEpochValuesResponse> GetEpochValues(const v1::GetEpochValuesRequest& request);
+  Result<v1::GetStatusResponse> GetStatus(const v1::GetStatusRequest& request);
+  Result<Reply<v1::DrainResponse>> Drain(const v1::DrainRequest& request);
+  Result<Reply<v1::ScaleResponse>> Scale(const v1::ScaleRequest& request);
+
+  // Watch streams. Attach checks the request and marks the member's stream
+  // up; Detach marks it broken (the member then has stream_grace to return).
+  Status AttachStream(const v1::WatchMembershipRequest& request);
+  void DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id);
+  // The next update a watcher should get after `position`, if any, and
+  // advances `position`. An error ends the stream (for example the member was
+  // declared dead, or its rendezvous timed out).
+  Result<std::optional<v1::WatchMembershipResponse>> NextUpdate(const v1::WatchMembershipRequest& request,
+                                                                WatchPosition& position);
+
+  // Runs the timers. Call every few tens of milliseconds.
+  void Tick();
+
+  // Called (without the core's lock held) when something a watcher or a
+  // waiting GetEpochValues may want has changed: an epoch was published or
+  // changed state, a member left or died, or an epoch value was put.
+  void SetChangeListener(std::function<void()> listener);
+
+  // Counters since start, and durations since the last call.
+  CoreStats TakeStats();
+  // The store sequence of the newest epoch record of any job: once the store
+  // is durable up to it, watchers may have an epoch to send.
+  uint64_t epoch_sequence() const;
+
+ private:
+  struct Member {
+    internal::MemberRecord record;
+    Clock::TimePoint last_heartbeat{};
+    Clock::TimePoint joined{};  // for the join timeout
+    bool stream_attached = false;
+    bool stream_broken = false;
+    Clock::TimePoint stream_broken_at{};
+    uint64_t last_step = 0;
+    uint64_t epoch_seen = 0;
+    std::vector<v1::CollectiveProgress> collectives;
+  };
+  struct Job {
+    v1::JobSpec spec;
+    std::map<uint64_t, Member> members;
+    v1::MembershipEpoch latest;                      // newest published epoch (epoch 0: none yet)
+    v1::MembershipEpoch latest_header;               // `latest` without its peers (for partial views)
+    std::unordered_map<uint64_t, int> latest_index;  // member id -> index in latest.peers
+    uint64_t latest_sequence = 0;                    // store sequence of latest's newest record
+    std::set<uint64_t> acked;                        // members of `latest` that acknowledged it
+    size_t pending_acks = 0;                         // members of `latest` that have not
+    std::map<std::string, internal::HostRecord> hosts;
+    std::map<std::string, std::string> values;  // epoch values of `latest`
+    uint64_t step = 0;
+    Clock::TimePoint step_recorded{};
+    std::optional<Clock::TimePoint> window_closes;  // rendezvous / join batching window
+    std::optional<Clock::TimePoint> rendezvous_started;
+    std::optional<Clock::TimePoint> failure_detected;
+    std::string waiting_reason;  // why no epoch can form, for status
+  };
+
+  // Appends a record and applies it. REQUIRES: mu_ held.
+  uint64_t Commit(internal::Record record) TANDEM_REQUIRES(mu_);
+  void Apply(const internal::Record& record, bool live) TANDEM_REQUIRES(mu_);
+  void MaybeSnapshot() TANDEM_REQUIRES(mu_);
+
+  Status CheckToken(const std::string& token) const;
+  Result<Job*> FindJob(const std::string& job_id) TANDEM_REQUIRES(mu_);
+  Result<Member*> FindMember(Job& job, uint64_t member_id, uint64_t session_id) TANDEM_REQUIRES(mu_);
+  Result<v1::JobSpec> ValidateSpec(const v1::JobSpec& requested) const;
+
+  // Forms and publishes the next epoch from the job's live members. Returns
+  // false (with job.waiting_reason set) if none can form.
+  bool PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail) TANDEM_REQUIRES(mu_);
+  void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
+  void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
+  void DeclareDead(Job& job, Member& member, const std::string& why) TANDEM_REQUIRES(mu_);
+  void SetMemberState(Job& job, Member& member, v1::MemberState state, const std::string& detail) TANDEM_REQUIRES(mu_);
+  static bool Alive(const Member& m);
+  bool InLatest(const Job& job, uint64_t member_id) const;
+  v1::MembershipEpoch View(const Job& job, uint64_t member_id, v1::PeerView view) const TANDEM_REQUIRES(mu_);
+  void NotifyLater() TANDEM_REQUIRES(mu_) { notify_ = true; }
+  void FlushNotify(std::unique_lock<std::mutex>& lock) TANDEM_REQUIRES(mu_);
+
+  const CoreOptions options_;
+  Store* const store_;        // outlives the core (constructor contract)
+  const Clock* const clock_;  // outlives the core (constructor contract)
+
+  mutable std::mutex mu_;
+  std::map<std::string, Job> jobs_ TANDEM_GUARDED_BY(mu_);
+  uint64_t next_member_id_ TANDEM_GUARDED_BY(mu_) = 1;
+  uint64_t incarnation_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t last_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t snapshot_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
+  std::optional<Clock::TimePoint> last_tick_ TANDEM_GUARDED_BY(mu_);
+  bool recovering_ TANDEM_GUARDED_BY(mu_) = false;
+  bool notify_ TANDEM_GUARDED_BY(mu_) = false;
+  std::mt19937_64 random_ TANDEM_GUARDED_BY(mu_);
+  CoreStats stats_ TANDEM_GUARDED_BY(mu_);
+  std::function<void()> listener_;
+};
+
+}  // namespace tandem::coordinator

@@ -1,0 +1,510 @@
+// The coordinator's state machine with a fake clock and an in-memory store:
+// rendezvous, epochs and acknowledgements, liveness, elastic joins and leaves,
+// the shard map, host hold-out, validation, and recovery after a restart.
+#include "coordinator/coordinator_core.h"
+
+#include <google/protobuf/util/time_util.h>
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace tandem::coordinator {
+namespace {
+
+using google::protobuf::util::TimeUtil;
+using std::chrono::milliseconds;
+
+struct M {
+  uint64_t id = 0;
+  uint64_t session = 0;
+};
+
+class CoreTest : public ::testing::Test {
+ protected:
+  void Open(CoreOptions options = {}) {
+    // The fake clock jumps seconds between ticks on purpose: not a stall.
+    options.stall_threshold = std::chrono::hours(24);
+    core_.reset();
+    store_ = std::make_unique<MemoryStore>(backing_);
+    core_ = std::make_unique<CoordinatorCore>(options, store_.get(), &clock_);
+    ASSERT_TRUE(core_->Recover().ok());
+  }
+
+  static v1::JobSpec Spec(uint32_t min_workers, uint32_t max_workers, uint32_t min_servers = 0) {
+    v1::JobSpec spec;
+    spec.set_job_id("j");
+    spec.set_min_workers(min_workers);
+    spec.set_max_workers(max_workers);
+    spec.set_min_servers(min_servers);
+    *spec.mutable_last_call_window() = TimeUtil::MillisecondsToDuration(500);
+    *spec.mutable_join_timeout() = TimeUtil::MillisecondsToDuration(10000);
+    return spec;
+  }
+
+  Result<M> TryJoin(const std::string& node, v1::Role role = v1::ROLE_WORKER, const std::string& token = "") {
+    v1::RegisterRequest r;
+    r.set_job_id("j");
+    r.set_role(role);
+    r.mutable_node()->set_hostname(node);
+    r.mutable_node()->set_node_id(node);
+    r.set_token(token);
+    auto reply = core_->Register(r);
+    if (!reply.ok()) return reply.status();
+    return M{reply->response.member_id(), reply->response.session_id()};
+  }
+
+  M Join(const std::string& node, v1::Role role = v1::ROLE_WORKER) {
+    auto m = TryJoin(node, role);
+    EXPECT_TRUE(m.ok()) << m.status().ToString();
+    if (m.ok()) members_.push_back(*m);
+    return m.ok() ? *m : M{};
+  }
+
+  void Tick(milliseconds d) {
+    clock_.Advance(d);
+    for (const M& m : members_) (void)Beat(m);
+    core_->Tick();
+  }
+
+  // Moves time without heartbeats from `silent` members.
+  void TickWithout(milliseconds d, const std::vector<uint64_t>& silent) {
+    clock_.Advance(d);
+    for (const M& m : members_) {
+      if (std::find(silent.begin(), silent.end(), m.id) == silent.end()) (void)Beat(m);
+    }
+    core_->Tick();
+  }
+
+  Status Beat(const M& m, uint64_t step = 0) {
+    v1::HeartbeatRequest r;
+    r.set_job_id("j");
+    r.set_member_id(m.id);
+    r.set_session_id(m.session);
+    r.set_step(step);
+    return core_->Heartbeat(r).status();
+  }
+
+  v1::GetStatusResponse Status_() {
+    v1::GetStatusRequest r;
+    r.set_job_id("j");
+    auto s = core_->GetStatus(r);
+    EXPECT_TRUE(s.ok()) << s.status().ToString();
+    return s.ok() ? *s : v1::GetStatusResponse();
+  }
+
+  // The newest epoch as member `m` would receive it.
+  v1::MembershipEpoch Latest(const M& m) {
+    v1::WatchMembershipRequest r;
+    r.set_job_id("j");
+    r.set_member_id(m.id);
+    r.set_session_id(m.session);
+    WatchPosition pos;
+    auto u = core_->NextUpdate(r, pos);
+    if (!u.ok() || !u->has_value()) return v1::MembershipEpoch();
+    return (*u)->epoch();
+  }
+
+  Status Ack(const M& m, uint64_t epoch) {
+    v1::AckEpochRequest r;
+    r.set_job_id("j");
+    r.set_member_id(m.id);
+    r.set_session_id(m.session);
+    r.set_epoch(epoch);
+    return core_->AckEpoch(r).status();
+  }
+
+  void AckAll(const v1::MembershipEpoch& epoch) {
+    for (const auto& p : epoch.peers()) {
+      for (const M& m : members_) {
+        if (m.id == p.member_id()) {
+          EXPECT_TRUE(Ack(m, epoch.epoch()).ok());
+        }
+      }
+    }
+  }
+
+  std::map<uint64_t, uint32_t> Ranks(const v1::MembershipEpoch& e) {
+    std::map<uint64_t, uint32_t> out;
+    for (const auto& p : e.peers()) {
+      if (p.has_rank()) out[p.member_id()] = p.rank().global_rank();
+    }
+    return out;
+  }
+
+  FakeClock clock_;
+  std::shared_ptr<MemoryStoreBacking> backing_ = std::make_shared<MemoryStoreBacking>();
+  std::unique_ptr<MemoryStore> store_;
+  std::unique_ptr<CoordinatorCore> core_;
+  std::vector<M> members_;
+};
+
+TEST_F(CoreTest, RendezvousWaitsForMinimumThenTheLastCallWindow) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 4)).ok());
+  const M a = Join("n0");
+  Tick(milliseconds(1000));
+  EXPECT_EQ(Latest(a).epoch(), 0u);  // one of two
+  const M b = Join("n0");
+  Tick(milliseconds(400));
+  EXPECT_EQ(Latest(a).epoch(), 0u);  // last call: the window is still open
+  const M c = Join("n1");            // joins inside the window
+  Tick(milliseconds(200));
+  const auto e = Latest(a);
+  ASSERT_EQ(e.epoch(), 1u);
+  EXPECT_EQ(e.state(), v1::EPOCH_STATE_PENDING);
+  EXPECT_EQ(e.worker_count(), 3u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_INITIAL);
+  auto ranks = Ranks(e);
+  EXPECT_EQ(ranks[a.id], 0u);  // node n0 first, contiguous
+  EXPECT_EQ(ranks[b.id], 1u);
+  EXPECT_EQ(ranks[c.id], 2u);
+  ASSERT_TRUE(Ack(a, 1).ok());
+  ASSERT_TRUE(Ack(b, 1).ok());
+  EXPECT_EQ(Latest(a).state(), v1::EPOCH_STATE_PENDING);
+  ASSERT_TRUE(Ack(c, 1).ok());
+  EXPECT_EQ(Latest(a).state(), v1::EPOCH_STATE_ACTIVE);
+  EXPECT_EQ(Status_().active_epoch(), 1u);
+}
+
+TEST_F(CoreTest, SpecDurationsReplaceTheDefaultsWhole) {
+  Open();
+  auto spec = Spec(1, 1);
+  *spec.mutable_heartbeat_interval() = TimeUtil::MillisecondsToDuration(400);  // default 1 s: not 1.4 s
+  *spec.mutable_heartbeat_deadline() = TimeUtil::MillisecondsToDuration(1200);
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  EXPECT_EQ(TimeUtil::DurationToMilliseconds(Status_().job_spec().heartbeat_interval()), 400);
+}
+
+TEST_F(CoreTest, ReachingMaxWorkersClosesTheRendezvousAtOnce) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 2)).ok());
+  const M a = Join("n0");
+  Join("n0");
+  EXPECT_EQ(Latest(a).epoch(), 1u);
+}
+
+TEST_F(CoreTest, MissedHeartbeatsMakeANewEpochWithoutTheDeadMember) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(3, 3)).ok());
+  const M a = Join("n0");
+  const M b = Join("n0");
+  const M c = Join("n1");
+  AckAll(Latest(a));
+  TickWithout(milliseconds(2000), {b.id});
+  EXPECT_EQ(Latest(a).epoch(), 1u);  // 2 s: within the 3 s deadline
+  TickWithout(milliseconds(1100), {b.id});
+  const auto e = Latest(a);
+  ASSERT_EQ(e.epoch(), 2u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_FAILURE);
+  EXPECT_EQ(e.worker_count(), 2u);
+  auto ranks = Ranks(e);
+  EXPECT_EQ(ranks[a.id], 0u);  // survivors stay contiguous and ordered
+  EXPECT_EQ(ranks[c.id], 1u);
+  EXPECT_FALSE(ranks.count(b.id));
+  // The dead member is told so and must register again.
+  const Status s = Beat(b);
+  EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(s.message().find("no heartbeat for"), std::string::npos) << s.message();
+}
+
+TEST_F(CoreTest, ABrokenStreamThatDoesNotComeBackIsAFailure) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 2)).ok());
+  const M a = Join("n0");
+  const M b = Join("n0");
+  v1::WatchMembershipRequest w;
+  w.set_job_id("j");
+  w.set_member_id(b.id);
+  w.set_session_id(b.session);
+  ASSERT_TRUE(core_->AttachStream(w).ok());
+  core_->DetachStream("j", b.id, b.session);
+  Tick(milliseconds(400));  // within the 500 ms grace (and heartbeats keep coming)
+  EXPECT_EQ(Latest(a).epoch(), 1u);
+  Tick(milliseconds(200));
+  EXPECT_EQ(Latest(a).epoch(), 2u);
+  EXPECT_EQ(Latest(a).worker_count(), 1u);
+}
+
+TEST_F(CoreTest, JoinersAreAdmittedAsANewEpochAndLeaversAtOnce) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 8)).ok());
+  const M a = Join("n0");
+  const M b = Join("n0");
+  Tick(milliseconds(600));
+  AckAll(Latest(a));
+  const M c = Join("n1");
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(a).epoch(), 1u);  // joins are batched over the window
+  Tick(milliseconds(500));
+  auto e = Latest(a);
+  ASSERT_EQ(e.epoch(), 2u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
+  EXPECT_EQ(Ranks(e)[c.id], 2u);
+  EXPECT_EQ(Ranks(e)[a.id], 0u);
+  EXPECT_EQ(Ranks(e)[b.id], 1u);
+  v1::LeaveRequest leave;
+  leave.set_job_id("j");
+  leave.set_member_id(a.id);
+  leave.set_session_id(a.session);
+  auto left = core_->Leave(leave);
+  ASSERT_TRUE(left.ok());
+  EXPECT_EQ(left->response.next_epoch(), 3u);
+  e = Latest(b);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_LEAVE);
+  EXPECT_EQ(Ranks(e)[b.id], 0u);
+  EXPECT_EQ(Ranks(e)[c.id], 1u);
+}
+
+TEST_F(CoreTest, ShardMapBalancesOverServersAndPromotesBackupsWhenOneDies) {
+  Open();
+  auto spec = Spec(1, 1, 2);
+  spec.set_parameter_count(10'000'000);
+  spec.set_partition_size_bytes(4u << 20);  // 1 Mi elements per partition: 10 partitions
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M s0 = Join("s0", v1::ROLE_SERVER);
+  const M s1 = Join("s1", v1::ROLE_SERVER);
+  const M w = Join("n0");
+  auto e = Latest(w);
+  ASSERT_EQ(e.epoch(), 1u);
+  ASSERT_EQ(e.shard_map().partitions_size(), 10);
+  std::map<uint64_t, int> primaries;
+  for (const auto& p : e.shard_map().partitions()) {
+    ++primaries[p.primary_member_id()];
+    EXPECT_NE(p.backup_member_id(), p.primary_member_id());
+    EXPECT_NE(p.backup_member_id(), 0u);
+  }
+  EXPECT_EQ(primaries[s0.id], 5);
+  EXPECT_EQ(primaries[s1.id], 5);
+  AckAll(e);
+  TickWithout(milliseconds(3100), {s1.id});
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 2u);
+  for (const auto& p : e.shard_map().partitions()) EXPECT_EQ(p.primary_member_id(), s0.id);
+  EXPECT_GT(e.shard_map().version(), 1u);
+}
+
+TEST_F(CoreTest, RestartRecoversTheSameEpochAndMembersReattach) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 2)).ok());
+  const M a = Join("n0");
+  const M b = Join("n1");
+  AckAll(Latest(a));
+  const uint64_t first_incarnation = core_->incarnation();
+  // "kill -9": drop the core without any shutdown; a new one reads the same store.
+  Open();
+  EXPECT_EQ(core_->incarnation(), first_incarnation + 1);
+  auto e = Latest(a);
+  EXPECT_EQ(e.epoch(), 1u);  // same epoch, no new rendezvous
+  EXPECT_EQ(e.state(), v1::EPOCH_STATE_ACTIVE);
+  EXPECT_TRUE(Beat(a).ok());  // old sessions still valid
+  EXPECT_TRUE(Beat(b).ok());
+  // A member re-attaching keeps its id.
+  v1::RegisterRequest r;
+  r.set_job_id("j");
+  r.set_role(v1::ROLE_WORKER);
+  r.mutable_node()->set_hostname("n0");
+  r.set_resume_member_id(a.id);
+  r.set_resume_session_id(a.session);
+  auto again = core_->Register(r);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->response.resumed());
+  EXPECT_EQ(again->response.member_id(), a.id);
+  // Epoch numbers keep growing after the restart.
+  TickWithout(milliseconds(3100), {b.id});
+  EXPECT_EQ(Latest(a).epoch(), 2u);
+  // And a member registered after the restart gets a fresh id.
+  const M c = Join("n2");
+  EXPECT_GT(c.id, b.id);
+}
+
+TEST_F(CoreTest, RestartFromASnapshotAndTheLogAfterIt) {
+  CoreOptions options;
+  options.snapshot_every_records = 5;  // snapshot often
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(4, 4)).ok());
+  std::vector<M> ms;
+  for (int i = 0; i < 4; ++i) ms.push_back(Join("n" + std::to_string(i / 2)));
+  AckAll(Latest(ms[0]));
+  TickWithout(milliseconds(3100), {ms[3].id});
+  const auto before = Latest(ms[0]);
+  Open(options);
+  const auto after = Latest(ms[0]);
+  EXPECT_EQ(after.SerializeAsString(), before.SerializeAsString());
+  EXPECT_EQ(Status_().members_size(), Status_().members_size());
+}
+
+TEST_F(CoreTest, AJobThatCannotFormItsMeshWaitsAndSaysWhy) {
+  Open();
+  auto spec = Spec(2, 2);
+  spec.mutable_mesh()->set_tp(4);
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M a = Join("n0");
+  Join("n1");
+  EXPECT_EQ(Latest(a).epoch(), 0u);
+  // The reason shows in the members' status detail only as waiting; the log names the mesh.
+  EXPECT_EQ(Status_().active_epoch(), 0u);
+}
+
+TEST_F(CoreTest, RendezvousTimeoutFailsTheWaitingMembersWithAClearError) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(3, 3)).ok());
+  const M a = Join("n0");
+  Tick(milliseconds(10100));
+  v1::WatchMembershipRequest w;
+  w.set_job_id("j");
+  w.set_member_id(a.id);
+  w.set_session_id(a.session);
+  WatchPosition pos;
+  auto u = core_->NextUpdate(w, pos);
+  ASSERT_FALSE(u.ok());
+  EXPECT_EQ(u.status().code(), StatusCode::kDeadlineExceeded);
+  EXPECT_NE(u.status().message().find("1 of 3 workers"), std::string::npos) << u.status().message();
+}
+
+TEST_F(CoreTest, AHostThatKeepsFailingIsHeldOutWithBackoff) {
+  CoreOptions options;
+  options.host_failures_before_holdout = 2;
+  options.host_backoff_base = milliseconds(5000);
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  Join("good");
+  for (int round = 0; round < 2; ++round) {
+    const M bad = Join("flaky");
+    TickWithout(milliseconds(3100), {bad.id});
+  }
+  auto refused = TryJoin("flaky");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(refused.status().message().find("host 'flaky' is held out after 2 failures"), std::string::npos)
+      << refused.status().message();
+  clock_.Advance(milliseconds(5100));
+  EXPECT_TRUE(TryJoin("flaky").ok());
+}
+
+TEST_F(CoreTest, HostileRequestsGetErrorsNamingTheField) {
+  CoreOptions options;
+  options.token = "s3cret";
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 2)).ok());
+  EXPECT_EQ(TryJoin("n0", v1::ROLE_WORKER, "").status().code(), StatusCode::kUnauthenticated);
+  EXPECT_EQ(TryJoin("n0", v1::ROLE_WORKER, "s3cres").status().code(), StatusCode::kUnauthenticated);
+  v1::RegisterRequest r;
+  r.set_token("s3cret");
+  r.set_role(v1::ROLE_WORKER);
+  r.mutable_node()->set_hostname("n0");
+  r.set_job_id("no such job");
+  EXPECT_EQ(core_->Register(r).status().code(), StatusCode::kInvalidArgument);  // bad characters
+  r.set_job_id("nosuchjob");
+  EXPECT_EQ(core_->Register(r).status().code(), StatusCode::kNotFound);
+  r.set_job_id("j");
+  r.set_role(v1::ROLE_UNSPECIFIED);
+  EXPECT_NE(core_->Register(r).status().message().find("role"), std::string::npos);
+  r.set_role(v1::ROLE_WORKER);
+  for (int i = 0; i < 17; ++i) r.add_endpoints()->set_transport("tcp");
+  auto too_many = core_->Register(r);
+  EXPECT_EQ(too_many.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("endpoints: 17 given, at most 16"), std::string::npos);
+  r.clear_endpoints();
+  r.set_control_address("nonsense");
+  EXPECT_NE(core_->Register(r).status().message().find("control_address"), std::string::npos);
+  // A job spec that cannot work.
+  v1::RegisterRequest create;
+  create.set_token("s3cret");
+  create.set_job_id("k");
+  create.set_role(v1::ROLE_WORKER);
+  create.mutable_node()->set_hostname("n0");
+  *create.mutable_job_spec() = Spec(1, 1);
+  create.mutable_job_spec()->set_job_id("k");
+  create.mutable_job_spec()->set_max_workers(1'000'000);
+  auto absurd = core_->Register(create);
+  EXPECT_EQ(absurd.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(absurd.status().message().find("max_workers"), std::string::npos) << absurd.status().message();
+  // Member calls with a wrong session, or from the future.
+  v1::HeartbeatRequest hb;
+  hb.set_job_id("j");
+  hb.set_token("s3cret");
+  hb.set_member_id(12345);
+  EXPECT_EQ(core_->Heartbeat(hb).status().code(), StatusCode::kNotFound);
+  options.token.clear();
+}
+
+TEST_F(CoreTest, ACoordinatorStallDoesNotKillMembers) {
+  // Built directly: Open() turns stall detection off for the other tests.
+  CoreOptions options;
+  options.stall_threshold = milliseconds(1000);
+  store_ = std::make_unique<MemoryStore>(backing_);
+  core_ = std::make_unique<CoordinatorCore>(options, store_.get(), &clock_);
+  ASSERT_TRUE(core_->Recover().ok());
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 1)).ok());
+  const M a = Join("n0");
+  core_->Tick();
+  clock_.Advance(milliseconds(10000));  // nobody, the coordinator included, ran for 10 s
+  core_->Tick();
+  EXPECT_TRUE(Beat(a).ok());
+  EXPECT_EQ(Latest(a).epoch(), 1u);
+}
+
+TEST_F(CoreTest, DrainAndScaleDown) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 3)).ok());
+  const M a = Join("n0");
+  const M b = Join("n0");
+  const M c = Join("n0");
+  AckAll(Latest(a));
+  v1::DrainRequest drain;
+  drain.set_job_id("j");
+  drain.set_member_id(b.id);
+  ASSERT_TRUE(core_->Drain(drain).ok());
+  auto e = Latest(a);
+  EXPECT_EQ(e.worker_count(), 2u);
+  EXPECT_FALSE(Ranks(e).count(b.id));
+  v1::HeartbeatRequest hb;
+  hb.set_job_id("j");
+  hb.set_member_id(b.id);
+  hb.set_session_id(b.session);
+  EXPECT_EQ(core_->Heartbeat(hb)->command(), v1::MEMBER_COMMAND_DRAIN);
+  v1::ScaleRequest scale;
+  scale.set_job_id("j");
+  scale.set_max_workers(1);
+  auto scaled = core_->Scale(scale);
+  ASSERT_TRUE(scaled.ok());
+  EXPECT_EQ(scaled->response.drained_member_ids_size(), 1);
+  EXPECT_EQ(scaled->response.drained_member_ids(0), c.id);  // the highest rank goes
+  EXPECT_EQ(Latest(a).worker_count(), 1u);
+  scale.set_min_workers(5);
+  scale.set_max_workers(2);
+  EXPECT_EQ(core_->Scale(scale).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(CoreTest, EpochValuesArePerEpochAndSetOnce) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 1)).ok());
+  const M a = Join("n0");
+  v1::PutEpochValueRequest put;
+  put.set_job_id("j");
+  put.set_member_id(a.id);
+  put.set_session_id(a.session);
+  put.set_epoch(1);
+  put.set_key("nccl/world");
+  put.set_value("id-1");
+  ASSERT_TRUE(core_->PutEpochValue(put).ok());
+  ASSERT_TRUE(core_->PutEpochValue(put).ok());  // same value: fine
+  put.set_value("id-2");
+  EXPECT_EQ(core_->PutEpochValue(put).code(), StatusCode::kAlreadyExists);
+  v1::GetEpochValuesRequest get;
+  get.set_job_id("j");
+  get.set_member_id(a.id);
+  get.set_session_id(a.session);
+  get.set_epoch(1);
+  get.add_keys("nccl/world");
+  get.add_keys("missing");
+  auto got = core_->GetEpochValues(get);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->values().at("nccl/world"), "id-1");
+  ASSERT_EQ(got->missing_keys_size(), 1);
+  get.set_epoch(7);
+  EXPECT_EQ(core_->GetEpochValues(get).status().code(), StatusCode::kAborted);
+}
+
+}  // namespace
+}  // namespace tandem::coordinator
