@@ -74,7 +74,7 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
     epoch_gauge.Set(static_cast<double>(epoch.epoch()));
     return Status::Ok();
   };
-  options.on_drain = [] { spdlog::warn("the coordinator asks this member to drain: stop it when convenient"); };
+  options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };
   // Not reachable until the first registration succeeds.
   options.on_connection(false, "not registered yet");
   link->session_ = std::make_unique<MemberSession>(std::move(channel), std::move(options));

@@ -270,7 +270,15 @@ void MemberSession::HeartbeatLoop() {
       v1::HeartbeatResponse response;
       const grpc::Status s = stub_->Heartbeat(&ctx, request, &response);
       if (s.ok()) {
-        if (response.command() == v1::MEMBER_COMMAND_DRAIN && options_.on_drain) options_.on_drain();
+        if (response.command() == v1::MEMBER_COMMAND_DRAIN) {
+          // Drained by an administrator: it is already out of the epochs; leave the job and stop.
+          if (options_.on_drain) options_.on_drain();
+          const Status left = Leave("drained", std::chrono::milliseconds(5000));
+          spdlog::warn("drained: left the job ({}); this process stays up but takes no part until restarted",
+                       left.ok() ? "OK" : left.ToString());
+          SetConnected(false, "drained");
+          return;
+        }
       } else if (Forgotten(s)) {
         std::lock_guard<std::mutex> lock(mu_);
         if (!reregister_) {
@@ -288,7 +296,9 @@ Status MemberSession::Leave(const std::string& message, std::chrono::millisecond
   v1::LeaveRequest request;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (left_) return Status::Ok();
     if (member_id_ == 0) return FailedPrecondition("not registered");
+    left_ = true;
     request.set_job_id(options_.job_id);
     request.set_member_id(member_id_);
     request.set_session_id(session_id_);

@@ -44,7 +44,8 @@ struct MemberSessionOptions {
   std::function<Status(const v1::MembershipEpoch&)> on_epoch;
   // Called when the session becomes usable (registered and reachable) or not.
   std::function<void(bool connected, const std::string& detail)> on_connection;
-  // Called when the coordinator asks the member to drain (finish and leave).
+  // Called when the coordinator asks the member to drain; the session then
+  // leaves the job and stops.
   std::function<void()> on_drain;
   // First and largest wait between attempts to reach the coordinator.
   std::chrono::milliseconds retry_min{100};
@@ -99,6 +100,7 @@ class MemberSession {
   std::optional<v1::RankAssignment> rank_ TANDEM_GUARDED_BY(mu_);
   bool active_ TANDEM_GUARDED_BY(mu_) = false;
   bool reregister_ TANDEM_GUARDED_BY(mu_) = false;
+  bool left_ TANDEM_GUARDED_BY(mu_) = false;
   grpc::ClientContext* watch_context_ TANDEM_GUARDED_BY(mu_) = nullptr;  // the open stream, to cancel it
   std::atomic<bool> connected_{false};
   std::atomic<uint64_t> step_{0};

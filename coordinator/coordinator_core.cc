@@ -276,6 +276,21 @@ Result<CoordinatorCore::Job*> CoordinatorCore::FindJob(const std::string& job_id
   return &it->second;
 }
 
+Result<CoordinatorCore::Job*> CoordinatorCore::FindAdminJob(const std::string& job_id) {
+  if (!job_id.empty()) return FindJob(job_id);
+  // With one job, administrators need not name it.
+  Job* only = nullptr;
+  size_t count = 0;
+  for (auto& [id, job] : jobs_) {
+    if (job.spec.job_id().empty()) continue;
+    only = &job;
+    ++count;
+  }
+  if (count == 1) return only;
+  if (count == 0) return NotFound("no job is known to this coordinator");
+  return InvalidArgument("job_id: this coordinator has {} jobs; name one", count);
+}
+
 Result<CoordinatorCore::Member*> CoordinatorCore::FindMember(Job& job, uint64_t member_id, uint64_t session_id) {
   if (member_id == 0) return InvalidArgument("member_id: missing (0)");
   auto it = job.members.find(member_id);
@@ -1071,13 +1086,8 @@ void CoordinatorCore::Tick() {
 Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
   std::lock_guard<std::mutex> lock(mu_);
-  if (request.job_id().empty() && jobs_.size() == 1) {
-    // With one job, `tandem status` need not name it.
-  } else {
-    TANDEM_RETURN_IF_ERROR(FindJob(request.job_id()).status());
-  }
-  const Job& job = request.job_id().empty() ? jobs_.begin()->second : jobs_.at(request.job_id());
-  if (jobs_.empty()) return NotFound("no job is known to this coordinator");
+  TANDEM_ASSIGN_OR_RETURN(const Job* found, FindAdminJob(request.job_id()));
+  const Job& job = *found;
   const auto now = clock_->Now();
   v1::GetStatusResponse response;
   *response.mutable_job_spec() = job.spec;
@@ -1172,7 +1182,7 @@ Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequ
 Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v1::DrainRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
   std::unique_lock<std::mutex> lock(mu_);
-  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindAdminJob(request.job_id()));
   auto it = job->members.find(request.member_id());
   if (it == job->members.end() || !Alive(it->second)) {
     return NotFound("member_id: no live member {} in job '{}'", request.member_id(), job->spec.job_id());
@@ -1193,7 +1203,7 @@ Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v
 Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v1::ScaleRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
   std::unique_lock<std::mutex> lock(mu_);
-  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
+  TANDEM_ASSIGN_OR_RETURN(Job * job, FindAdminJob(request.job_id()));
   v1::JobSpec wanted = job->spec;
   if (request.min_workers() != 0) wanted.set_min_workers(request.min_workers());
   if (request.max_workers() != 0) wanted.set_max_workers(request.max_workers());

@@ -182,6 +182,8 @@ class CoordinatorCore {
 
   Status CheckToken(const std::string& token) const;
   Result<Job*> FindJob(const std::string& job_id) TANDEM_REQUIRES(mu_);
+  // Like FindJob, but an empty id names the only job, if there is one.
+  Result<Job*> FindAdminJob(const std::string& job_id) TANDEM_REQUIRES(mu_);
   Result<Member*> FindMember(Job& job, uint64_t member_id, uint64_t session_id) TANDEM_REQUIRES(mu_);
   Result<v1::JobSpec> ValidateSpec(const v1::JobSpec& requested) const;
 

@@ -214,6 +214,50 @@ TEST_F(CoordinatorProcessTest, ATornLogTailIsRecoveredUpToTheLastGoodRecord) {
   EXPECT_TRUE(restarted->process->Stop(milliseconds(5000)).success());
 }
 
+TEST_F(CoordinatorProcessTest, DrainScaleAndStatusFromTheCommandLine) {
+  auto coordinator = StartCoordinator({"--job-min-workers", "1", "--job-max-workers", "3", "--job-min-servers", "0"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  coordinator_address_ = coordinator->ready.grpc_address;
+  std::vector<cli::LaunchedDaemon> workers;
+  for (int i = 0; i < 3; ++i) {
+    auto w = StartMember("tandem-worker", "worker-" + std::to_string(i), "node-0");
+    ASSERT_TRUE(w.ok());
+    workers.push_back(std::move(*w));
+  }
+  auto [s1, t1] = WaitFor([](const auto& s) { return s.active_epoch() > 0 && Ranks(s).size() == 3; });
+  ASSERT_EQ(Ranks(s1).size(), 3u);
+  const std::string tandem = BinDir() + "/tandem";
+  const uint64_t victim = Ranks(s1)[1];
+  auto drain = testing::RunCommand(
+      {tandem, "drain", std::to_string(victim), "--coordinator", coordinator_address_, "--reason", "maintenance"});
+  EXPECT_TRUE(drain.exit.success()) << drain.output;
+  auto [s2, t2] = WaitFor([](const auto& s) { return s.active_epoch() > 0 && Ranks(s).size() == 2; });
+  EXPECT_TRUE(Contiguous(Ranks(s2), 2));
+  auto scale = testing::RunCommand({tandem, "scale", "--max", "1", "--coordinator", coordinator_address_});
+  EXPECT_TRUE(scale.exit.success()) << scale.output;
+  EXPECT_NE(scale.output.find("1..1 workers"), std::string::npos) << scale.output;
+  auto [s3, t3] = WaitFor([](const auto& s) { return s.active_epoch() > 0 && Ranks(s).size() == 1; });
+  EXPECT_EQ(Ranks(s3).size(), 1u);
+  // Drained members learn it from their next heartbeat and leave.
+  WaitFor([](const auto& s) {
+    for (const auto& m : s.members()) {
+      if (m.state() == v1::MEMBER_STATE_LEFT) return true;
+    }
+    return false;
+  });
+  auto status = testing::RunCommand({tandem, "status", "--coordinator", coordinator_address_});
+  EXPECT_TRUE(status.exit.success()) << status.output;
+  EXPECT_NE(status.output.find("job default: epoch"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("left"), std::string::npos) << status.output;  // the drained member left
+  auto bad = testing::RunCommand({tandem, "drain", "not-a-number", "--coordinator", coordinator_address_});
+  EXPECT_EQ(bad.exit.ToString(), "exit 2");
+  auto unknown = testing::RunCommand({tandem, "drain", "999999", "--coordinator", coordinator_address_});
+  EXPECT_EQ(unknown.exit.ToString(), "exit 1");
+  EXPECT_NE(unknown.output.find("NOT_FOUND"), std::string::npos) << unknown.output;
+  for (auto& w : workers) EXPECT_TRUE(w.process->Stop(milliseconds(5000)).success());
+  EXPECT_TRUE(coordinator->process->Stop(milliseconds(5000)).success());
+}
+
 TEST_F(CoordinatorProcessTest, HostileRequestsGetErrorsAndTheCoordinatorKeepsServing) {
   const std::string token_file = dir_.File("token", "correct-horse\n");
   auto coordinator = StartCoordinator({"--auth-token-file", token_file, "--max-members", "64"});
