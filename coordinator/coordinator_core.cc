@@ -196,8 +196,8 @@ void CoordinatorCore::Apply(const internal::Record& record, bool live) {
   }
 }
 
-void CoordinatorCore::MaybeSnapshot() {
-  if (last_sequence_ - snapshot_sequence_ < options_.snapshot_every_records) return;
+std::optional<std::pair<uint64_t, std::string>> CoordinatorCore::PrepareSnapshot() {
+  if (snapshot_running_ || last_sequence_ - snapshot_sequence_ < options_.snapshot_every_records) return std::nullopt;
   internal::Snapshot snapshot;
   snapshot.set_format(1);
   snapshot.set_incarnation(incarnation_);
@@ -213,12 +213,21 @@ void CoordinatorCore::MaybeSnapshot() {
   }
   std::string payload;
   snapshot.SerializeToString(&payload);
+  snapshot_running_ = true;
   // Every record up to last_sequence_ is in memory; the snapshot stands for them.
-  if (Status s = store_->WriteSnapshot(last_sequence_, std::move(payload)); !s.ok()) {
+  return std::make_pair(last_sequence_, std::move(payload));
+}
+
+void CoordinatorCore::WriteSnapshot(uint64_t sequence, std::string payload) {
+  // Called without the lock: the store waits for durability and fsyncs.
+  const Status s = store_->WriteSnapshot(sequence, std::move(payload));
+  std::lock_guard<std::mutex> lock(mu_);
+  snapshot_running_ = false;
+  if (!s.ok()) {
     spdlog::error("cannot write a snapshot: {}", s.message());
     return;
   }
-  snapshot_sequence_ = last_sequence_;
+  snapshot_sequence_ = sequence;
 }
 
 Status CoordinatorCore::Recover() {
@@ -550,7 +559,6 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   resp.set_coordinator_incarnation(incarnation_);
   if (job.latest.epoch() > 0) *resp.mutable_current_epoch() = View(job, member_id, v1::PEER_VIEW_SELF);
   reply.durable_after = seq;
-  MaybeSnapshot();
   FlushNotify(lock);
   return reply;
 }
@@ -862,7 +870,6 @@ Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(c
   reply.response.set_state(job->latest.state());
   reply.response.set_pending_acks(static_cast<uint32_t>(job->pending_acks));
   reply.durable_after = last_sequence_;
-  MaybeSnapshot();
   FlushNotify(lock);
   return reply;
 }
@@ -884,7 +891,6 @@ Result<CoordinatorCore::Reply<v1::LeaveResponse>> CoordinatorCore::Leave(const v
   }
   reply.response.set_next_epoch(job->latest.epoch());
   reply.durable_after = last_sequence_;
-  MaybeSnapshot();
   FlushNotify(lock);
   return reply;
 }
@@ -1077,8 +1083,12 @@ void CoordinatorCore::Tick() {
       }
     }
   }
-  MaybeSnapshot();
+  auto snapshot = PrepareSnapshot();
   FlushNotify(lock);
+  if (snapshot) {
+    lock.unlock();
+    WriteSnapshot(snapshot->first, std::move(snapshot->second));
+  }
 }
 
 // --- status and admin --------------------------------------------------------------------------

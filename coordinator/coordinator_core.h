@@ -61,7 +61,8 @@ struct CoreOptions {
   // Timers that have not run for this long mean the coordinator stalled;
   // members' deadlines are then extended by the stall instead of expiring.
   std::chrono::milliseconds stall_threshold{1000};
-  // Write a snapshot (and drop the log before it) after this many records.
+  // Write a snapshot (and drop the log before it) after this many records
+  // (checked by Tick).
   uint64_t snapshot_every_records = 50000;
 };
 
@@ -178,7 +179,10 @@ class CoordinatorCore {
   // Appends a record and applies it. REQUIRES: mu_ held.
   uint64_t Commit(internal::Record record) TANDEM_REQUIRES(mu_);
   void Apply(const internal::Record& record, bool live) TANDEM_REQUIRES(mu_);
-  void MaybeSnapshot() TANDEM_REQUIRES(mu_);
+  // A snapshot of the whole state when one is due (sequence and payload);
+  // Tick writes it after releasing the lock.
+  std::optional<std::pair<uint64_t, std::string>> PrepareSnapshot() TANDEM_REQUIRES(mu_);
+  void WriteSnapshot(uint64_t sequence, std::string payload) TANDEM_EXCLUDES(mu_);
 
   Status CheckToken(const std::string& token) const;
   Result<Job*> FindJob(const std::string& job_id) TANDEM_REQUIRES(mu_);
@@ -210,6 +214,7 @@ class CoordinatorCore {
   uint64_t incarnation_ TANDEM_GUARDED_BY(mu_) = 0;
   uint64_t last_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
   uint64_t snapshot_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
+  bool snapshot_running_ TANDEM_GUARDED_BY(mu_) = false;
   std::optional<Clock::TimePoint> last_tick_ TANDEM_GUARDED_BY(mu_);
   bool recovering_ TANDEM_GUARDED_BY(mu_) = false;
   bool notify_ TANDEM_GUARDED_BY(mu_) = false;
