@@ -237,17 +237,18 @@ class Sim {
     return e;
   }
 
-  // Heartbeats every live member at `interval` for `duration`; returns heartbeats sent per second.
+  // Heartbeats every live member at `interval` for `duration`; returns the
+  // heartbeats answered per second within that window.
   double Heartbeats(std::chrono::milliseconds interval, std::chrono::milliseconds duration, int threads) {
     std::atomic<uint64_t> sent{0};
-    std::atomic<bool> stop{false};
     std::vector<std::thread> pool;
     const auto t0 = Clock::now();
+    const auto end = t0 + duration;
     for (int t = 0; t < threads; ++t) {
       pool.emplace_back([&, t] {
         auto next = Clock::now();
-        while (!stop) {
-          for (size_t i = static_cast<size_t>(t); i < size() && !stop; i += static_cast<size_t>(threads)) {
+        while (Clock::now() < end && !background_stop_) {
+          for (size_t i = static_cast<size_t>(t); i < size() && Clock::now() < end; i += static_cast<size_t>(threads)) {
             if (members_[i].killed || members_[i].id == 0) continue;
             v1::HeartbeatRequest r;
             r.set_job_id("default");
@@ -260,14 +261,12 @@ class Sim {
             if (stub(i)->Heartbeat(&ctx, r, &response).ok()) ++sent;
           }
           next += interval;
-          std::this_thread::sleep_until(next);
+          std::this_thread::sleep_until(std::min(next, end));
         }
       });
     }
-    std::this_thread::sleep_for(duration);
-    stop = true;
     for (auto& t : pool) t.join();
-    return static_cast<double>(sent) / Since(t0);
+    return static_cast<double>(sent) / std::chrono::duration<double>(duration).count();
   }
 
   // Starts background heartbeats (for the kill phase); stopped by StopBackground.

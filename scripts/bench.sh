@@ -4,8 +4,8 @@
 # Installs the benchmark-only packages (Open MPI, Debian's python3-torch for
 # gloo), then measures the baselines of ../shared/baselines (memory bandwidth,
 # Open MPI MPI_Allreduce, torch.distributed gloo, ucx_perftest) on this machine
-# into BUILD_DIR/bench/baselines/RESULTS.md. Tandem's own benchmarks join this
-# run as each lands (see docs/benchmarks.md).
+# into BUILD_DIR/bench/baselines/RESULTS.md, then Tandem's own benchmarks
+# (today: the coordinator) into BUILD_DIR/bench/ (see docs/benchmarks.md).
 #
 # Usage: scripts/bench.sh [BUILD_DIR]
 set -euo pipefail
@@ -36,5 +36,14 @@ echo "bench: measuring the baselines into $OUT/baselines (about 2 minutes)"
 OUT_DIR="$(pwd)/$OUT/baselines" BUILD_DIR="$(pwd)/$OUT/baselines-build" bash "$BASELINES/run.sh"
 echo
 echo "bench: baselines written to $OUT/baselines/RESULTS.md"
+
+echo
+echo "bench: coordinator (docs/benchmarks.md)"
+{
+  "$BUILD_DIR/bin/tandem" bench coordinator --workers 4096 --kill 1 --json
+  "$BUILD_DIR/bin/tandem" bench coordinator --workers 4096 --heartbeat-interval 400ms --duration 10s --json
+  "$BUILD_DIR/bin/tandem" bench coordinator --workers 65 --kill 1 --json
+} | tee "$OUT/coordinator.jsonl"
+echo "bench: coordinator results in $OUT/coordinator.jsonl"
 echo "bench: Tandem's collective, parameter-server and training benchmarks are not built yet;"
-echo "       they will run here, beside these baselines, as they land (docs/benchmarks.md)."
+echo "       they will run here, beside these baselines, as they land."
