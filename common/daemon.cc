@@ -129,8 +129,11 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   spdlog::info("{} {} starting (pid {})", spec.program, TANDEM_VERSION, getpid());
 
   Daemon daemon(spec.role, config);
+  bool started = false;
   const auto fail = [&](const Status& s, std::string_view what) {
     spdlog::error("{}: {}", what, s.message());
+    // What `started` began (threads that use the daemon) ends before the daemon does.
+    if (started && spec.stopping) spec.stopping(daemon);
     daemon.Stop();
     return 1;
   };
@@ -139,6 +142,7 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   }
   if (Status s = daemon.Start(); !s.ok()) return fail(s, "cannot start");
   if (spec.started) {
+    started = true;
     if (Status s = spec.started(daemon); !s.ok()) return fail(s, "cannot start");
   }
   if (Status s = daemon.WriteReadyFile(); !s.ok()) return fail(s, "cannot start");

@@ -97,6 +97,7 @@ bool MemberSession::RegisterOnce(std::string* error) {
   if (!resumed) {
     epoch_.Clear();
     rank_.reset();
+    in_epoch_ = false;
     active_ = false;
   }
   if (incarnation_ != 0 && response.coordinator_incarnation() != incarnation_ && resumed) ++reattachments_;
@@ -170,7 +171,7 @@ void MemberSession::WatchOnce() {
         std::lock_guard<std::mutex> lock(mu_);
         if (change.epoch() == epoch_.epoch()) {
           epoch_.set_state(change.state());
-          if (change.state() == v1::EPOCH_STATE_ACTIVE && rank_) {
+          if (change.state() == v1::EPOCH_STATE_ACTIVE && in_epoch_) {
             active_ = true;
             cv_.notify_all();
           }
@@ -211,6 +212,7 @@ void MemberSession::HandleEpoch(const v1::MembershipEpoch& epoch) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     epoch_ = epoch;
+    in_epoch_ = me != nullptr;
     rank_.reset();
     if (me != nullptr && me->has_rank()) rank_ = me->rank();
     active_ = me != nullptr && epoch.state() == v1::EPOCH_STATE_ACTIVE;
@@ -283,7 +285,9 @@ void MemberSession::HeartbeatLoop() {
         }
       } else if (Forgotten(s)) {
         std::lock_guard<std::mutex> lock(mu_);
-        if (!reregister_) {
+        // Only if the refusal is about the current session: a heartbeat sent
+        // just before a fresh registration must not undo it.
+        if (!reregister_ && session_id_ == request.session_id()) {
           spdlog::warn("heartbeat refused: {}; registering again", s.error_message());
           reregister_ = true;
           if (watch_context_ != nullptr) watch_context_->TryCancel();

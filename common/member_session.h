@@ -98,6 +98,7 @@ class MemberSession {
   std::chrono::milliseconds heartbeat_interval_ TANDEM_GUARDED_BY(mu_){1000};
   v1::MembershipEpoch epoch_ TANDEM_GUARDED_BY(mu_);
   std::optional<v1::RankAssignment> rank_ TANDEM_GUARDED_BY(mu_);
+  bool in_epoch_ TANDEM_GUARDED_BY(mu_) = false;  // this member is a peer of epoch_
   bool active_ TANDEM_GUARDED_BY(mu_) = false;
   bool reregister_ TANDEM_GUARDED_BY(mu_) = false;
   bool left_ TANDEM_GUARDED_BY(mu_) = false;

@@ -112,15 +112,17 @@ uint64_t CoordinatorCore::incarnation() const {
   return incarnation_;
 }
 
-void CoordinatorCore::SetChangeListener(std::function<void()> listener) {
+void CoordinatorCore::SetChangeListener(std::function<void(bool)> listener) {
   listener_ = std::move(listener);
 }
 
 void CoordinatorCore::FlushNotify(std::unique_lock<std::mutex>& lock) {
   if (!notify_ || !listener_) return;
+  const bool epochs = notify_epochs_;
   notify_ = false;
+  notify_epochs_ = false;
   lock.unlock();
-  listener_();
+  listener_(epochs);
   lock.lock();
 }
 
@@ -167,7 +169,17 @@ void CoordinatorCore::Apply(const internal::Record& record, bool live) {
       job.latest_header = job.latest;
       job.latest_header.clear_peers();
       job.latest_index.clear();
-      for (int i = 0; i < job.latest.peers_size(); ++i) job.latest_index[job.latest.peers(i).member_id()] = i;
+      job.latest_by_node.clear();
+      job.latest_servers.clear();
+      for (int i = 0; i < job.latest.peers_size(); ++i) {
+        const auto& p = job.latest.peers(i);
+        job.latest_index[p.member_id()] = i;
+        if (p.role() == v1::ROLE_SERVER) {
+          job.latest_servers.push_back(i);
+        } else {
+          job.latest_by_node[HostKey(p.node())].push_back(i);
+        }
+      }
       if (new_epoch) job.pending_acks = static_cast<size_t>(job.latest.peers_size());
       job.latest_sequence = last_sequence_;
       stats_.max_epoch = std::max(stats_.max_epoch, job.latest.epoch());
@@ -192,7 +204,7 @@ void CoordinatorCore::Apply(const internal::Record& record, bool live) {
   // streams end); registrations and progress need not wake them.
   if (live && (record.has_epoch() || (record.has_member() && record.member().state() != v1::MEMBER_STATE_JOINING &&
                                       record.member().state() != v1::MEMBER_STATE_ACTIVE))) {
-    NotifyLater();
+    NotifyLater(true);
   }
 }
 
@@ -201,6 +213,7 @@ std::optional<std::pair<uint64_t, std::string>> CoordinatorCore::PrepareSnapshot
   internal::Snapshot snapshot;
   snapshot.set_format(1);
   snapshot.set_incarnation(incarnation_);
+  snapshot.set_next_member_id(next_member_id_);
   snapshot.add_records()->set_incarnation(incarnation_);
   for (const auto& [id, job] : jobs_) {
     *snapshot.add_records()->mutable_job() = job.spec;
@@ -245,6 +258,7 @@ Status CoordinatorCore::Recover() {
                       snapshot.format());
     }
     last_sequence_ = recovery.snapshot_sequence;
+    next_member_id_ = std::max(next_member_id_, snapshot.next_member_id());
     for (const auto& r : snapshot.records()) Apply(r, /*live=*/false);
     snapshot_sequence_ = recovery.snapshot_sequence;
   }
@@ -255,6 +269,22 @@ Status CoordinatorCore::Recover() {
     Apply(record, /*live=*/false);
   }
   recovering_ = false;
+  // A crash between a member's death record and the epoch without it leaves
+  // an epoch naming a dead member, which could never settle: re-form it now.
+  for (auto& [id, job] : jobs_) {
+    std::vector<uint64_t> gone;
+    for (const auto& p : job.latest.peers()) {
+      auto m = job.members.find(p.member_id());
+      if (m == job.members.end() || !Alive(m->second) || m->second.record.state() == v1::MEMBER_STATE_DRAINING) {
+        gone.push_back(p.member_id());
+      }
+    }
+    if (!gone.empty()) {
+      spdlog::warn("job '{}': epoch {} names {} member(s) that are gone; re-forming it", id, job.latest.epoch(),
+                   gone.size());
+      PublishEpoch(job, v1::EPOCH_CAUSE_FAILURE, "re-formed after a restart");
+    }
+  }
   // Epochs published before the restart are durable (the log says so); their
   // acknowledgements were not kept, so a pending epoch waits for members to
   // acknowledge again when they re-attach.
@@ -650,6 +680,19 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     spdlog::warn("job '{}': {}", job.spec.job_id(), job.waiting_reason);
     return false;
   }
+  // Nothing changed (for example, the only joiners do not fit the mesh and
+  // stay on standby): publish nothing, so members do not rebuild for nothing.
+  if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE) {
+    std::set<std::pair<uint64_t, uint32_t>> before;
+    std::set<std::pair<uint64_t, uint32_t>> after;
+    for (const auto& p : job.latest.peers()) before.emplace(p.member_id(), p.has_rank() ? p.rank().global_rank() : ~0u);
+    for (const auto& [id, rank] : plan->ranked) after.emplace(id, rank.global_rank());
+    for (uint64_t id : servers) after.emplace(id, ~0u);
+    if (before == after) {
+      job.waiting_reason = plan->standby.empty() ? "" : "standby: " + plan->standby_reason;
+      return true;
+    }
+  }
   v1::MembershipEpoch epoch;
   epoch.set_epoch(job.latest.epoch() + 1);
   epoch.set_job_id(job.spec.job_id());
@@ -766,41 +809,53 @@ void CoordinatorCore::MaybeActivate(Job& job) {
   spdlog::info("job '{}': epoch {} active", job.spec.job_id(), epoch.epoch());
 }
 
-void CoordinatorCore::DeclareDead(Job& job, Member& member, const std::string& why) {
-  const uint64_t id = member.record.member_id();
-  spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
-               member.record.node().hostname(), why);
-  ++stats_.failures_detected;
-  const bool in_epoch = InLatest(job, id);
-  SetMemberState(job, member, v1::MEMBER_STATE_DEAD, why);
-  // Host failure history: hold out a host that keeps failing, with exponential backoff.
-  const std::string host = HostKey(member.record.node());
-  internal::HostRecord h = job.hosts.count(host) ? job.hosts[host] : internal::HostRecord();
+void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead) {
+  bool in_epoch = false;
+  std::set<std::string> failed_hosts;
+  std::string detail;
+  for (const auto& [id, why] : dead) {
+    auto it = job.members.find(id);
+    if (it == job.members.end() || !Alive(it->second)) continue;
+    Member& member = it->second;
+    spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
+                 HostKey(member.record.node()), why);
+    ++stats_.failures_detected;
+    in_epoch |= InLatest(job, id);
+    failed_hosts.insert(HostKey(member.record.node()));
+    SetMemberState(job, member, v1::MEMBER_STATE_DEAD, why);
+    if (detail.empty()) detail = fmt::format("member {} failed: {}", id, why);
+  }
+  if (dead.size() > 1 && !detail.empty()) detail += fmt::format(" (and {} more)", dead.size() - 1);
+  // Host failure history: a host that keeps failing is held out, with
+  // exponential backoff. One incident counts once, however many members the
+  // host had.
   const int64_t now_ms = clock_->UnixMillis();
-  if (h.last_failure_unix_ms() != 0 && now_ms - h.last_failure_unix_ms() > options_.host_failure_reset.count()) {
-    h.set_failures(0);
+  for (const std::string& host : failed_hosts) {
+    internal::HostRecord h = job.hosts.count(host) ? job.hosts[host] : internal::HostRecord();
+    if (h.last_failure_unix_ms() != 0 && now_ms - h.last_failure_unix_ms() > options_.host_failure_reset.count()) {
+      h.set_failures(0);
+    }
+    h.set_job_id(job.spec.job_id());
+    h.set_host(host);
+    h.set_failures(h.failures() + 1);
+    h.set_last_failure_unix_ms(now_ms);
+    if (h.failures() >= options_.host_failures_before_holdout) {
+      const uint32_t exponent = std::min<uint32_t>(h.failures() - options_.host_failures_before_holdout, 20);
+      const int64_t backoff =
+          std::min<int64_t>(options_.host_backoff_base.count() << exponent, options_.host_backoff_max.count());
+      h.set_held_out_until_unix_ms(now_ms + backoff);
+      spdlog::warn("job '{}': host '{}' held out for {} after {} failures", job.spec.job_id(), host,
+                   FormatDuration(milliseconds(backoff)), h.failures());
+    }
+    internal::Record r;
+    *r.mutable_host() = h;
+    Commit(std::move(r));
   }
-  h.set_job_id(job.spec.job_id());
-  h.set_host(host);
-  h.set_failures(h.failures() + 1);
-  h.set_last_failure_unix_ms(now_ms);
-  if (h.failures() >= options_.host_failures_before_holdout) {
-    const uint32_t exponent = std::min<uint32_t>(h.failures() - options_.host_failures_before_holdout, 20);
-    const int64_t backoff =
-        std::min<int64_t>(options_.host_backoff_base.count() << exponent, options_.host_backoff_max.count());
-    h.set_held_out_until_unix_ms(now_ms + backoff);
-    spdlog::warn("job '{}': host '{}' held out for {} after {} failures", job.spec.job_id(), host,
-                 FormatDuration(milliseconds(backoff)), h.failures());
-  }
-  internal::Record r;
-  *r.mutable_host() = h;
-  Commit(std::move(r));
   if (in_epoch) {
     if (!job.failure_detected) job.failure_detected = clock_->Now();
-    if (!PublishEpoch(job, v1::EPOCH_CAUSE_FAILURE, fmt::format("member {} failed: {}", id, why))) {
-      // Nothing can form (too few workers left): go back to waiting for a rendezvous.
-      MaybeCloseRendezvous(job);
-    }
+    // With no worker left the mesh cannot form; the job then waits for joiners
+    // (MaybeCloseRendezvous admits them as the next epoch).
+    PublishEpoch(job, v1::EPOCH_CAUSE_FAILURE, detail);
   }
 }
 
@@ -859,7 +914,8 @@ Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(c
                               request.epoch(), member->record.detail());
   }
   if (!request.error().empty()) {
-    DeclareDead(*job, *member, "could not join epoch " + std::to_string(request.epoch()) + ": " + request.error());
+    DeclareDead(*job, {{member->record.member_id(),
+                        "could not join epoch " + std::to_string(request.epoch()) + ": " + request.error()}});
     reply.durable_after = last_sequence_;
     FlushNotify(lock);
     return Aborted("epoch {} abandoned: member {} could not join it", request.epoch(), member->record.member_id());
@@ -915,7 +971,7 @@ Status CoordinatorCore::PutEpochValue(const v1::PutEpochValueRequest& request) {
   if (job->values.size() >= kMaxValues)
     return ResourceExhausted("epoch {} already has {} values", request.epoch(), kMaxValues);
   job->values[request.key()] = request.value();
-  NotifyLater();
+  NotifyLater(false);
   FlushNotify(lock);
   return Status::Ok();
 }
@@ -943,7 +999,7 @@ Result<v1::GetEpochValuesResponse> CoordinatorCore::GetEpochValues(const v1::Get
 
 // --- watch streams ----------------------------------------------------------------------
 
-Status CoordinatorCore::AttachStream(const v1::WatchMembershipRequest& request) {
+Result<uint64_t> CoordinatorCore::AttachStream(const v1::WatchMembershipRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
   std::lock_guard<std::mutex> lock(mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
@@ -951,15 +1007,19 @@ Status CoordinatorCore::AttachStream(const v1::WatchMembershipRequest& request) 
   member->stream_attached = true;
   member->stream_broken = false;
   member->last_heartbeat = clock_->Now();
-  return Status::Ok();
+  return ++member->stream_generation;
 }
 
-void CoordinatorCore::DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id) {
+void CoordinatorCore::DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id,
+                                   uint64_t generation) {
   std::lock_guard<std::mutex> lock(mu_);
   auto job = jobs_.find(job_id);
   if (job == jobs_.end()) return;
   auto m = job->second.members.find(member_id);
-  if (m == job->second.members.end() || m->second.record.session_id() != session_id) return;
+  if (m == job->second.members.end() || m->second.record.session_id() != session_id ||
+      m->second.stream_generation != generation) {
+    return;
+  }
   m->second.stream_attached = false;
   m->second.stream_broken = true;
   m->second.stream_broken_at = clock_->Now();
@@ -973,11 +1033,14 @@ v1::MembershipEpoch CoordinatorCore::View(const Job& job, uint64_t member_id, v1
     if (self != job.latest_index.end()) *out.add_peers() = job.latest.peers(self->second);
     return out;
   }
-  const std::string node = self != job.latest_index.end() ? HostKey(job.latest.peers(self->second).node()) : "";
-  for (const auto& p : job.latest.peers()) {
-    const bool local = !node.empty() && HostKey(p.node()) == node;
-    if (p.member_id() == member_id || local || p.role() == v1::ROLE_SERVER) *out.add_peers() = p;
+  // PEER_VIEW_LOCAL: the workers of this member's node, and the servers.
+  if (self != job.latest_index.end() && job.latest.peers(self->second).role() == v1::ROLE_WORKER) {
+    auto node = job.latest_by_node.find(HostKey(job.latest.peers(self->second).node()));
+    if (node != job.latest_by_node.end()) {
+      for (int i : node->second) *out.add_peers() = job.latest.peers(i);
+    }
   }
+  for (int i : job.latest_servers) *out.add_peers() = job.latest.peers(i);
   return out;
 }
 
@@ -1055,10 +1118,7 @@ void CoordinatorCore::Tick() {
         timed_out.push_back(id);
       }
     }
-    for (const auto& [id, why] : dead) {
-      auto it = job.members.find(id);
-      if (it != job.members.end() && Alive(it->second)) DeclareDead(job, it->second, why);
-    }
+    if (!dead.empty()) DeclareDead(job, dead);
     if (!timed_out.empty()) {
       const std::string why =
           fmt::format("rendezvous did not complete within {}: {}", FormatDuration(join_timeout), job.waiting_reason);

@@ -123,8 +123,11 @@ class CoordinatorCore {
 
   // Watch streams. Attach checks the request and marks the member's stream
   // up; Detach marks it broken (the member then has stream_grace to return).
-  Status AttachStream(const v1::WatchMembershipRequest& request);
-  void DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id);
+  // Attach returns the stream's generation; Detach applies only to the
+  // member's current stream, so the late end of a stream the member already
+  // replaced cannot mark it broken.
+  Result<uint64_t> AttachStream(const v1::WatchMembershipRequest& request);
+  void DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id, uint64_t generation);
   // The next update a watcher should get after `position`, if any, and
   // advances `position`. An error ends the stream (for example the member was
   // declared dead, or its rendezvous timed out).
@@ -137,7 +140,8 @@ class CoordinatorCore {
   // Called (without the core's lock held) when something a watcher or a
   // waiting GetEpochValues may want has changed: an epoch was published or
   // changed state, a member left or died, or an epoch value was put.
-  void SetChangeListener(std::function<void()> listener);
+  // `epochs` is false when only epoch values changed (watchers need not wake).
+  void SetChangeListener(std::function<void(bool epochs)> listener);
 
   // Counters since start, and durations since the last call.
   CoreStats TakeStats();
@@ -151,6 +155,7 @@ class CoordinatorCore {
     Clock::TimePoint last_heartbeat{};
     Clock::TimePoint joined{};  // for the join timeout
     bool stream_attached = false;
+    uint64_t stream_generation = 0;
     bool stream_broken = false;
     Clock::TimePoint stream_broken_at{};
     uint64_t last_step = 0;
@@ -160,12 +165,14 @@ class CoordinatorCore {
   struct Job {
     v1::JobSpec spec;
     std::map<uint64_t, Member> members;
-    v1::MembershipEpoch latest;                      // newest published epoch (epoch 0: none yet)
-    v1::MembershipEpoch latest_header;               // `latest` without its peers (for partial views)
-    std::unordered_map<uint64_t, int> latest_index;  // member id -> index in latest.peers
-    uint64_t latest_sequence = 0;                    // store sequence of latest's newest record
-    std::set<uint64_t> acked;                        // members of `latest` that acknowledged it
-    size_t pending_acks = 0;                         // members of `latest` that have not
+    v1::MembershipEpoch latest;                                        // newest published epoch (epoch 0: none yet)
+    v1::MembershipEpoch latest_header;                                 // `latest` without its peers (for partial views)
+    std::unordered_map<uint64_t, int> latest_index;                    // member id -> index in latest.peers
+    std::unordered_map<std::string, std::vector<int>> latest_by_node;  // node -> worker peer indices
+    std::vector<int> latest_servers;                                   // server peer indices
+    uint64_t latest_sequence = 0;                                      // store sequence of latest's newest record
+    std::set<uint64_t> acked;                                          // members of `latest` that acknowledged it
+    size_t pending_acks = 0;                                           // members of `latest` that have not
     std::map<std::string, internal::HostRecord> hosts;
     std::map<std::string, std::string> values;  // epoch values of `latest`
     uint64_t step = 0;
@@ -196,12 +203,17 @@ class CoordinatorCore {
   bool PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail) TANDEM_REQUIRES(mu_);
   void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
   void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
-  void DeclareDead(Job& job, Member& member, const std::string& why) TANDEM_REQUIRES(mu_);
+  // Marks members dead (id, why), counts one failure per host, and publishes
+  // one epoch without them.
+  void DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead) TANDEM_REQUIRES(mu_);
   void SetMemberState(Job& job, Member& member, v1::MemberState state, const std::string& detail) TANDEM_REQUIRES(mu_);
   static bool Alive(const Member& m);
   bool InLatest(const Job& job, uint64_t member_id) const;
   v1::MembershipEpoch View(const Job& job, uint64_t member_id, v1::PeerView view) const TANDEM_REQUIRES(mu_);
-  void NotifyLater() TANDEM_REQUIRES(mu_) { notify_ = true; }
+  void NotifyLater(bool epochs) TANDEM_REQUIRES(mu_) {
+    notify_ = true;
+    notify_epochs_ = notify_epochs_ || epochs;
+  }
   void FlushNotify(std::unique_lock<std::mutex>& lock) TANDEM_REQUIRES(mu_);
 
   const CoreOptions options_;
@@ -218,9 +230,10 @@ class CoordinatorCore {
   std::optional<Clock::TimePoint> last_tick_ TANDEM_GUARDED_BY(mu_);
   bool recovering_ TANDEM_GUARDED_BY(mu_) = false;
   bool notify_ TANDEM_GUARDED_BY(mu_) = false;
+  bool notify_epochs_ TANDEM_GUARDED_BY(mu_) = false;
   std::mt19937_64 random_ TANDEM_GUARDED_BY(mu_);
   CoreStats stats_ TANDEM_GUARDED_BY(mu_);
-  std::function<void()> listener_;
+  std::function<void(bool)> listener_;
 };
 
 }  // namespace tandem::coordinator

@@ -46,8 +46,12 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
 
   void OnCancel() override { End(grpc::Status::CANCELLED); }
 
+  void set_generation(uint64_t generation) { generation_ = generation; }
+
   void OnDone() override {
-    service_->core_->DetachStream(request_.job_id(), request_.member_id(), request_.session_id());
+    if (generation_ != 0) {
+      service_->core_->DetachStream(request_.job_id(), request_.member_id(), request_.session_id(), generation_);
+    }
     service_->RemoveWatcher(this);
     delete this;
   }
@@ -66,6 +70,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
   v1::WatchMembershipResponse message_;
   bool writing_ = false;
   bool finished_ = false;
+  uint64_t generation_ = 0;  // set before the first Pump, read in OnDone
 };
 
 namespace {
@@ -125,10 +130,12 @@ CoordinatorService::CoordinatorService(CoordinatorCore* core, Store* store, prom
                                     .Help("From a failure being detected to the next epoch being active.")
                                     .Register(registry)
                                     .Add({}, SecondsBuckets())) {
-  core_->SetChangeListener([this] {
-    WakeWatchers();
+  core_->SetChangeListener([this](bool epochs) {
+    if (epochs) {
+      WakeWatchers();
+      cv_.notify_all();  // a new epoch may be waiting for durability before watchers get it
+    }
     RetryGets(false);
-    cv_.notify_all();  // a new epoch may be waiting for durability before watchers get it
   });
 }
 
@@ -173,9 +180,18 @@ void CoordinatorService::FinishWhenDurable(grpc::ServerUnaryReactor* reactor, ui
   }
   {
     std::lock_guard<std::mutex> lock(mu_);
-    pending_.push_back({sequence, reactor});
+    if (!stopping_ && !store_failed_) {
+      pending_.push_back({sequence, reactor});
+      cv_.notify_all();
+      return;
+    }
   }
-  cv_.notify_all();
+  // No durability thread to hand this to (stopping, or the store failed):
+  // wait here, briefly, and answer with what the store says.
+  const Status s = store_->WaitDurable(sequence);
+  reactor->Finish(
+      s.ok() ? grpc::Status::OK
+             : grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator cannot store its state: " + s.message()));
 }
 
 void CoordinatorService::DurabilityLoop() {
@@ -209,7 +225,9 @@ void CoordinatorService::DurabilityLoop() {
     lock.lock();
     if (stopping && pending_.empty()) return;
     if (!durable.ok()) {
-      // Nothing more can become durable; let Stop() end the wait.
+      // Nothing more can become durable: later replies fail at once (see
+      // FinishWhenDurable); let Stop() end this thread.
+      store_failed_ = true;
       cv_.wait(lock, [this] { return stopping_; });
       return;
     }
@@ -287,10 +305,12 @@ grpc::ServerUnaryReactor* CoordinatorService::Heartbeat(grpc::CallbackServerCont
 grpc::ServerWriteReactor<v1::WatchMembershipResponse>* CoordinatorService::WatchMembership(
     grpc::CallbackServerContext* /*context*/, const v1::WatchMembershipRequest* request) {
   auto* watcher = new WatchReactor(this, *request);  // deletes itself in OnDone
-  Status attached = core_->AttachStream(*request);
+  auto generation = core_->AttachStream(*request);
+  Status attached = generation.status();
+  if (generation.ok()) watcher->set_generation(*generation);
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopping_) attached = Unavailable("the coordinator is shutting down");
+    if (stopping_ && attached.ok()) attached = Unavailable("the coordinator is shutting down");
     if (attached.ok()) watchers_.insert(watcher);
   }
   if (!attached.ok()) {
@@ -368,8 +388,18 @@ void CoordinatorService::RetryGets(bool expire_all) {
       keep.push_back(std::move(g));
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& g : keep) gets_.push_back(std::move(g));
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!stopping_) {
+    for (auto& g : keep) gets_.push_back(std::move(g));
+    return;
+  }
+  lock.unlock();
+  // Shutting down: answer with what is there rather than leave the call open.
+  for (auto& g : keep) {
+    auto result = core_->GetEpochValues(g.request);
+    if (result.ok()) *g.response = std::move(*result);
+    g.reactor->Finish(result.status().ToGrpc());
+  }
 }
 
 grpc::ServerUnaryReactor* CoordinatorService::GetStatus(grpc::CallbackServerContext* context,

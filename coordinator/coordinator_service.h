@@ -103,6 +103,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   std::vector<PendingGet> gets_ TANDEM_GUARDED_BY(mu_);
   std::set<WatchReactor*> watchers_ TANDEM_GUARDED_BY(mu_);
   bool stopping_ TANDEM_GUARDED_BY(mu_) = false;
+  bool store_failed_ TANDEM_GUARDED_BY(mu_) = false;
   uint64_t woken_sequence_ = 0;  // durability thread only
   std::thread durability_;
   std::thread ticker_;

@@ -216,13 +216,85 @@ TEST_F(CoreTest, ABrokenStreamThatDoesNotComeBackIsAFailure) {
   w.set_job_id("j");
   w.set_member_id(b.id);
   w.set_session_id(b.session);
-  ASSERT_TRUE(core_->AttachStream(w).ok());
-  core_->DetachStream("j", b.id, b.session);
+  auto generation = core_->AttachStream(w);
+  ASSERT_TRUE(generation.ok());
+  core_->DetachStream("j", b.id, b.session, *generation);
   Tick(milliseconds(400));  // within the 500 ms grace (and heartbeats keep coming)
   EXPECT_EQ(Latest(a).epoch(), 1u);
   Tick(milliseconds(200));
   EXPECT_EQ(Latest(a).epoch(), 2u);
   EXPECT_EQ(Latest(a).worker_count(), 1u);
+}
+
+TEST_F(CoreTest, TheLateEndOfAReplacedStreamDoesNotKillTheMember) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 1)).ok());
+  const M a = Join("n0");
+  v1::WatchMembershipRequest w;
+  w.set_job_id("j");
+  w.set_member_id(a.id);
+  w.set_session_id(a.session);
+  auto old_stream = core_->AttachStream(w);
+  auto new_stream = core_->AttachStream(w);  // the member re-attached on a new connection
+  ASSERT_TRUE(old_stream.ok() && new_stream.ok());
+  core_->DetachStream("j", a.id, a.session, *old_stream);  // the old one ends late
+  Tick(milliseconds(2000));
+  EXPECT_EQ(Latest(a).epoch(), 1u);
+  EXPECT_TRUE(Beat(a).ok());
+}
+
+TEST_F(CoreTest, StandbyWorkersDoNotCauseEpochsThatChangeNothing) {
+  Open();
+  auto spec = Spec(2, 8);
+  spec.mutable_mesh()->set_tp(2);
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M a = Join("n0");
+  Join("n0");
+  Join("n1");  // alone on its node: cannot fill a tp group of 2
+  Tick(milliseconds(600));
+  auto e = Latest(a);
+  ASSERT_EQ(e.epoch(), 1u);
+  EXPECT_EQ(e.worker_count(), 2u);
+  AckAll(e);
+  for (int i = 0; i < 10; ++i) Tick(milliseconds(600));
+  EXPECT_EQ(Latest(a).epoch(), 1u);  // not republished every window
+  Join("n1");                        // now n1 has a whole tp group
+  Tick(milliseconds(600));
+  EXPECT_EQ(Latest(a).epoch(), 2u);
+  EXPECT_EQ(Latest(a).worker_count(), 4u);
+}
+
+TEST_F(CoreTest, ANodeFailureIsOneEpochAndOneHostFailure) {
+  CoreOptions options;
+  options.host_failures_before_holdout = 2;
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 8)).ok());
+  const M a = Join("n0");
+  std::vector<uint64_t> node1;
+  for (int i = 0; i < 4; ++i) node1.push_back(Join("n1").id);
+  Tick(milliseconds(600));
+  AckAll(Latest(a));
+  const uint64_t before = Latest(a).epoch();
+  TickWithout(milliseconds(3100), node1);  // the whole node goes silent
+  EXPECT_EQ(Latest(a).epoch(), before + 1);
+  EXPECT_EQ(Latest(a).worker_count(), 1u);
+  EXPECT_TRUE(TryJoin("n1").ok());  // one incident: not yet held out
+}
+
+TEST_F(CoreTest, MemberIdsAreNeverReusedAcrossSnapshotsAndRestarts) {
+  CoreOptions options;
+  options.snapshot_every_records = 1;
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  Join("n0");
+  const M b = Join("n1");
+  Tick(milliseconds(600));
+  TickWithout(milliseconds(3100), {b.id});
+  clock_.Advance(milliseconds(700000));  // long enough for the dead member to be forgotten
+  Tick(milliseconds(10));
+  Open(options);
+  const M c = Join("n2");
+  EXPECT_GT(c.id, b.id);
 }
 
 TEST_F(CoreTest, JoinersAreAdmittedAsANewEpochAndLeaversAtOnce) {
@@ -315,6 +387,38 @@ TEST_F(CoreTest, RestartRecoversTheSameEpochAndMembersReattach) {
   // And a member registered after the restart gets a fresh id.
   const M c = Join("n2");
   EXPECT_GT(c.id, b.id);
+}
+
+TEST_F(CoreTest, ACrashBetweenADeathAndItsEpochIsRepairedOnRecovery) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 2)).ok());
+  const M a = Join("n0");
+  const M b = Join("n1");
+  AckAll(Latest(a));
+  // The log ends with b's death record but not the epoch without it, as if
+  // the coordinator was killed between the two appends.
+  core_.reset();
+  store_.reset();
+  {
+    MemoryStore raw(backing_);
+    ASSERT_TRUE(raw.Recover().ok());
+    internal::Record r;
+    auto* m = r.mutable_member();
+    m->set_job_id("j");
+    m->set_member_id(b.id);
+    m->set_session_id(b.session);
+    m->set_role(v1::ROLE_WORKER);
+    m->mutable_node()->set_hostname("n1");
+    m->mutable_node()->set_node_id("n1");
+    m->set_state(v1::MEMBER_STATE_DEAD);
+    ASSERT_TRUE(raw.WaitDurable(raw.Append(r.SerializeAsString())).ok());
+  }
+  Open();
+  const auto e = Latest(a);
+  EXPECT_EQ(e.epoch(), 2u);  // re-formed without b at once
+  EXPECT_EQ(e.worker_count(), 1u);
+  AckAll(e);
+  EXPECT_EQ(Latest(a).state(), v1::EPOCH_STATE_ACTIVE);
 }
 
 TEST_F(CoreTest, RestartFromASnapshotAndTheLogAfterIt) {
