@@ -74,9 +74,27 @@ std::string HealthName(v1::MemberHealth h) {
   }
 }
 
-int Fail(const char* command, const grpc::Status& s) {
-  fmt::print(stderr, "tandem {}: {}\n", command, Status::FromGrpc(s).ToString());
-  return 1;
+// Calls one admin RPC with the flags' coordinator, token and timeout. Returns
+// -1 on success (the response is filled in), else the exit code after
+// printing the error: 2 for a local problem, 1 for the coordinator's answer.
+template <typename Request, typename Response>
+int Call(const char* command, const AdminFlags& f, Request request, Response* response,
+         grpc::Status (v1::CoordinatorAdmin::Stub::*method)(grpc::ClientContext*, const Request&, Response*)) {
+  std::string token;
+  auto stub = Connect(f, &token);
+  if (!stub.ok()) {
+    fmt::print(stderr, "tandem {}: {}\n", command, stub.status().message());
+    return 2;
+  }
+  request.set_job_id(f.job_id);
+  request.set_token(token);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + f.timeout);
+  if (const grpc::Status s = ((**stub).*method)(&ctx, request, response); !s.ok()) {
+    fmt::print(stderr, "tandem {}: {}\n", command, Status::FromGrpc(s).ToString());
+    return 1;
+  }
+  return -1;
 }
 
 }  // namespace
@@ -145,19 +163,10 @@ int StatusCommand(int argc, char** argv) {
   OptionSet options("tandem status", "show a job's epoch, members (role, rank, node, step, health) and shard map");
   DeclareAdminFlags(options, &f);
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
-  std::string token;
-  auto stub = Connect(f, &token);
-  if (!stub.ok()) {
-    fmt::print(stderr, "tandem status: {}\n", stub.status().message());
-    return 2;
-  }
-  v1::GetStatusRequest request;
-  request.set_job_id(f.job_id);
-  request.set_token(token);
   v1::GetStatusResponse response;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + f.timeout);
-  if (auto s = (*stub)->GetStatus(&ctx, request, &response); !s.ok()) return Fail("status", s);
+  if (int rc = Call("status", f, v1::GetStatusRequest(), &response, &v1::CoordinatorAdmin::Stub::GetStatus); rc >= 0) {
+    return rc;
+  }
   fmt::print("{}", FormatStatus(response));
   return 0;
 }
@@ -178,21 +187,11 @@ int DrainCommand(int argc, char** argv) {
     fmt::print(stderr, "tandem drain: MEMBER: expected a member id (a number), got '{}'\n", member);
     return 2;
   }
-  std::string token;
-  auto stub = Connect(f, &token);
-  if (!stub.ok()) {
-    fmt::print(stderr, "tandem drain: {}\n", stub.status().message());
-    return 2;
-  }
   v1::DrainRequest request;
-  request.set_job_id(f.job_id);
-  request.set_token(token);
   request.set_member_id(id);
   request.set_reason(reason);
   v1::DrainResponse response;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + f.timeout);
-  if (auto s = (*stub)->Drain(&ctx, request, &response); !s.ok()) return Fail("drain", s);
+  if (int rc = Call("drain", f, request, &response, &v1::CoordinatorAdmin::Stub::Drain); rc >= 0) return rc;
   fmt::print("member {} is draining: the next epoch forms without it\n", id);
   return 0;
 }
@@ -210,21 +209,11 @@ int ScaleCommand(int argc, char** argv) {
     fmt::print(stderr, "tandem scale: give --min, --max or both\n");
     return 2;
   }
-  std::string token;
-  auto stub = Connect(f, &token);
-  if (!stub.ok()) {
-    fmt::print(stderr, "tandem scale: {}\n", stub.status().message());
-    return 2;
-  }
   v1::ScaleRequest request;
-  request.set_job_id(f.job_id);
-  request.set_token(token);
   request.set_min_workers(static_cast<uint32_t>(min_workers));
   request.set_max_workers(static_cast<uint32_t>(max_workers));
   v1::ScaleResponse response;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + f.timeout);
-  if (auto s = (*stub)->Scale(&ctx, request, &response); !s.ok()) return Fail("scale", s);
+  if (int rc = Call("scale", f, request, &response, &v1::CoordinatorAdmin::Stub::Scale); rc >= 0) return rc;
   fmt::print("job {}: {}..{} workers; {} worker(s) now, {} draining\n", response.job_spec().job_id(),
              response.job_spec().min_workers(), response.job_spec().max_workers(), response.workers(),
              response.drained_member_ids_size());

@@ -11,6 +11,7 @@
 
 #include "cli/launcher.h"
 #include "common/grpc_util.h"
+#include "launch_util.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 #include "test_util.h"
 
@@ -40,12 +41,7 @@ class CoordinatorProcessTest : public ::testing::Test {
   }
 
   Result<cli::LaunchedDaemon> Start(const std::string& binary, const std::string& name, std::vector<std::string> args) {
-    cli::LaunchSpec spec;
-    spec.binary = BinDir() + "/" + binary;
-    spec.name = name;
-    spec.args = std::move(args);
-    spec.work_dir = dir_.path();
-    return cli::Launch(spec);
+    return testing::StartDaemon(binary, name, dir_.path(), std::move(args));
   }
 
   Result<cli::LaunchedDaemon> StartMember(const std::string& binary, const std::string& name, const std::string& node) {

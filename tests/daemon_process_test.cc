@@ -13,6 +13,7 @@
 #include "common/config.h"
 #include "common/grpc_util.h"
 #include "common/health.h"
+#include "launch_util.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -24,13 +25,7 @@ using testing::RunCommand;
 using testing::TempDir;
 
 Result<cli::LaunchedDaemon> Start(const std::string& binary, const TempDir& dir, std::vector<std::string> args = {}) {
-  cli::LaunchSpec spec;
-  spec.binary = BinDir() + "/" + binary;
-  spec.name = binary;
-  spec.args = std::move(args);
-  spec.work_dir = dir.path();
-  spec.startup_timeout = milliseconds(20000);
-  return cli::Launch(spec);
+  return testing::StartDaemon(binary, binary, dir.path(), std::move(args));
 }
 
 std::string Health(const std::string& address, const std::string& service = "") {

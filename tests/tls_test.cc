@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include "cli/launcher.h"
+#include "launch_util.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -40,12 +41,7 @@ class TlsTest : public ::testing::Test {
   }
 
   Result<cli::LaunchedDaemon> Start(const std::string& binary, std::vector<std::string> args) {
-    cli::LaunchSpec spec;
-    spec.binary = BinDir() + "/" + binary;
-    spec.name = binary;
-    spec.args = std::move(args);
-    spec.work_dir = dir_.path();
-    return cli::Launch(spec);
+    return testing::StartDaemon(binary, binary, dir_.path(), std::move(args));
   }
 
   testing::CommandResult Health(const std::string& address, std::vector<std::string> tls,
