@@ -30,21 +30,6 @@ void DeclareAdminFlags(OptionSet& options, AdminFlags* f) {
   DeclareTlsOptions(options, &f->tls, /*client_only=*/true);
 }
 
-// Parses flags; returns an exit code, or -1 to go on.
-int ParseOrExit(OptionSet& options, int argc, char** argv) {
-  std::string output;
-  auto parsed = options.Parse(argc, argv, &output);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "{}: {}\n", options.program(), parsed.status().message());
-    return 2;
-  }
-  if (*parsed == OptionSet::Outcome::kExit) {
-    fmt::print("{}", output);
-    return 0;
-  }
-  return -1;
-}
-
 Result<std::unique_ptr<v1::CoordinatorAdmin::Stub>> Connect(const AdminFlags& f, std::string* token) {
   if (!f.token_file.empty()) {
     TANDEM_ASSIGN_OR_RETURN(*token, ReadFileContents(f.token_file, "token_file"));

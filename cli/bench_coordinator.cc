@@ -350,16 +350,7 @@ int BenchCoordinatorCommand(int argc, char** argv) {
                    std::chrono::milliseconds(600000));
   options.Bool("json", &json, "print one JSON object instead of a table");
   options.String("bin_dir", &bin_dir, "where tandem-coordinator is");
-  std::string output;
-  auto parsed = options.Parse(argc, argv, &output);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "tandem bench coordinator: {}\n", parsed.status().message());
-    return 2;
-  }
-  if (*parsed == OptionSet::Outcome::kExit) {
-    fmt::print("{}", output);
-    return 0;
-  }
+  if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   if (kill >= workers) {
     fmt::print(stderr, "tandem bench coordinator: --kill must be below --workers\n");
     return 2;

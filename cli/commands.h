@@ -3,9 +3,14 @@
 
 #include <string>
 
+#include "common/config.h"
 #include "tandem/v1/coordinator.pb.h"
 
 namespace tandem::cli {
+
+// Parses a command's flags: prints --help/--version/--check-config output
+// (returns 0) or the error (returns 2); returns -1 when the command should run.
+int ParseOrExit(OptionSet& options, int argc, char** argv);
 
 // tandem run: start a local cluster on this machine (see run_command.cc).
 int RunCommand(int argc, char** argv);

@@ -21,16 +21,7 @@ int HealthCommand(int argc, char** argv) {
   options.Duration("timeout", &timeout, "how long to wait for an answer", std::chrono::milliseconds(1),
                    std::chrono::milliseconds(600000));
   DeclareTlsOptions(options, &tls, /*client_only=*/true);
-  std::string output;
-  auto parsed = options.Parse(argc, argv, &output);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "tandem health: {}\n", parsed.status().message());
-    return 2;
-  }
-  if (*parsed == OptionSet::Outcome::kExit) {
-    fmt::print("{}", output);
-    return 0;
-  }
+  if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   if (auto hp = ParseHostPort(address); !hp.ok()) {
     fmt::print(stderr, "tandem health: ADDRESS: {}\n", hp.status().message());
     return 2;

@@ -101,16 +101,7 @@ int RunCommand(int argc, char** argv) {
                    std::chrono::milliseconds(100), std::chrono::milliseconds(600000));
   options.Choice("log.level", &config.log_level, {"trace", "debug", "info", "warn", "error"},
                  "log level of the started processes");
-  std::string output;
-  auto parsed = options.Parse(argc, argv, &output);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "tandem run: {}\n", parsed.status().message());
-    return 2;
-  }
-  if (*parsed == OptionSet::Outcome::kExit) {
-    fmt::print("{}", output);
-    return 0;
-  }
+  if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   if (config.work_dir.empty()) {
     std::string tmpl = "/tmp/tandem-run-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) {
