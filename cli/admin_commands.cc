@@ -102,8 +102,8 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
     out += fmt::format("rendezvous: {} worker(s) and {} server(s) waiting\n", s.rendezvous().waiting_workers(),
                        s.rendezvous().waiting_servers());
   }
-  out += fmt::format("\n  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>8} {:>9}  {}\n", "MEMBER", "ROLE", "STATE",
-                     "RANK", "NODE", "LOCAL", "NODE ID", "STEP", "HEARTBEAT", "HEALTH");
+  out += fmt::format("\n  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>9}  {}\n", "MEMBER", "ROLE",
+                     "STATE", "RANK", "NODE", "LOCAL", "NODE ID", "GPUS", "STEP", "HEARTBEAT", "HEALTH");
   auto members = s.members();
   std::sort(members.begin(), members.end(), [](const v1::MemberStatus& a, const v1::MemberStatus& b) {
     if (a.role() != b.role()) return a.role() < b.role();
@@ -113,13 +113,14 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
   });
   for (const auto& m : members) {
     const bool ranked = m.has_rank();
-    out += fmt::format(
-        "  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>8} {:>8.1f}s  {}\n", m.member_id(),
-        m.role() == v1::ROLE_SERVER ? "server" : "worker", StateName(m.state()),
-        ranked ? std::to_string(m.rank().global_rank()) : "-", ranked ? std::to_string(m.rank().node_rank()) : "-",
-        ranked ? std::to_string(m.rank().local_rank()) : "-",
-        (m.node().node_id().empty() ? m.node().hostname() : m.node().node_id()).substr(0, 16), m.last_step(),
-        TimeUtil::DurationToMilliseconds(m.last_heartbeat_age()) / 1000.0, HealthName(m.health()));
+    out += fmt::format("  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>8.1f}s  {}\n", m.member_id(),
+                       m.role() == v1::ROLE_SERVER ? "server" : "worker", StateName(m.state()),
+                       ranked ? std::to_string(m.rank().global_rank()) : "-",
+                       ranked ? std::to_string(m.rank().node_rank()) : "-",
+                       ranked ? std::to_string(m.rank().local_rank()) : "-",
+                       (m.node().node_id().empty() ? m.node().hostname() : m.node().node_id()).substr(0, 16),
+                       m.node().local_device_count(), m.last_step(),
+                       TimeUtil::DurationToMilliseconds(m.last_heartbeat_age()) / 1000.0, HealthName(m.health()));
   }
   if (s.shard_map().partitions_size() > 0) {
     std::map<uint64_t, std::pair<int, int>> load;

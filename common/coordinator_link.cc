@@ -22,7 +22,7 @@ void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* co
 }
 
 Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon,
-                                                                v1::Role role) {
+                                                                v1::Role role, const v1::NodeIdentity& node) {
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink());
   TANDEM_ASSIGN_OR_RETURN(auto channel,
                           MakeChannel(config.address, daemon.config().tls, daemon.config().max_message_bytes));
@@ -35,11 +35,14 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
     }
   }
   options.role = role;
+  options.node = node;
   char host[256] = {};
   gethostname(host, sizeof(host) - 1);
   options.node.set_hostname(host);
   options.node.set_node_id(config.node_id.empty() ? host : config.node_id);
   options.node.set_cpu_cores(std::thread::hardware_concurrency());
+  options.node.set_memory_bytes(static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
+                                static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
   options.control_address = daemon.grpc_address();
 
   auto& up = prometheus::BuildGauge()

@@ -33,8 +33,10 @@ class CoordinatorLink {
  public:
   // Opens the channel (with the daemon's TLS settings) and starts the session.
   // `daemon` must outlive the link.
+  // `node` carries what the role knows of its node (devices, capabilities);
+  // the link adds the hostname, node id, cores and memory.
   static Result<std::unique_ptr<CoordinatorLink>> Start(const CoordinatorLinkConfig& config, Daemon& daemon,
-                                                        v1::Role role);
+                                                        v1::Role role, const v1::NodeIdentity& node);
   ~CoordinatorLink();
 
   // Leaves the job (bounded by `timeout`) and stops the session.

@@ -3,7 +3,7 @@
 namespace tandem {
 
 void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
-                    std::function<Status(Daemon&)> extra_started) {
+                    std::function<Status(Daemon&, v1::NodeIdentity*)> extra_started) {
   struct State {
     CoordinatorLinkConfig config;
     std::unique_ptr<CoordinatorLink> link;
@@ -14,8 +14,9 @@ void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSe
     if (extra_declare) extra_declare(options);
   };
   spec.started = [state, role, extra_started](Daemon& daemon) -> Status {
-    if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon));
-    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon, role));
+    v1::NodeIdentity node;
+    if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon, &node));
+    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon, role, node));
     return Status::Ok();
   };
   spec.stopping = [state](Daemon&) {

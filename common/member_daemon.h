@@ -12,8 +12,10 @@
 namespace tandem {
 
 // Fills in `spec.declare`, `spec.started` and `spec.stopping` so the member
-// follows its coordinator; `extra_declare` and `extra_started` add the role's own.
+// follows its coordinator; `extra_declare` and `extra_started` add the role's
+// own. `extra_started` runs before the member registers and may describe the
+// node (devices, capabilities) in the NodeIdentity it is given.
 void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
-                    std::function<Status(Daemon&)> extra_started);
+                    std::function<Status(Daemon&, v1::NodeIdentity*)> extra_started);
 
 }  // namespace tandem

@@ -12,6 +12,7 @@
 #include "cli/launcher.h"
 #include "common/grpc_util.h"
 #include "launch_util.h"
+#include "tandem/config.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 #include "test_util.h"
 
@@ -122,6 +123,14 @@ TEST_F(CoordinatorProcessTest, FormsEpochsThroughFailuresJoinsLeavesAndACoordina
     if (m.role() != v1::ROLE_WORKER) continue;
     EXPECT_EQ(m.rank().node_rank(), m.rank().global_rank() / 4);  // node-0 holds ranks 0-3, node-1 ranks 4-7
     EXPECT_EQ(m.rank().local_rank(), m.rank().global_rank() % 4);
+  }
+  // Members describe their node when they register.
+  for (const auto& m : s1.members()) {
+    EXPECT_GT(m.node().cpu_cores(), 0u);
+    EXPECT_GT(m.node().memory_bytes(), 0u);
+    if (m.role() == v1::ROLE_WORKER && TANDEM_CUDA_ENABLED) {
+      EXPECT_FALSE(m.node().capabilities().nccl_version().empty()) << "member " << m.member_id();
+    }
   }
   ASSERT_GT(s1.shard_map().partitions_size(), 0);
   for (const auto& p : s1.shard_map().partitions()) EXPECT_NE(p.primary_member_id(), p.backup_member_id());

@@ -18,7 +18,7 @@ DaemonSpec MakeDaemonSpec() {
   spec.epilog =
       "The worker follows the coordinator at --coordinator-address: it stays up while the coordinator is\n"
       "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
-  MakeMemberSpec(spec, v1::ROLE_WORKER, nullptr, [](Daemon& daemon) -> Status {
+  MakeMemberSpec(spec, v1::ROLE_WORKER, nullptr, [](Daemon& daemon, v1::NodeIdentity* node) -> Status {
     const gpu::GpuInfo info = gpu::Probe();
     spdlog::info("GPU backend: {}", gpu::Describe(info));
     int usable = 0;
@@ -35,6 +35,16 @@ DaemonSpec MakeDaemonSpec() {
         .Register(daemon.registry())
         .Add({})
         .Set(usable);
+    // What the coordinator learns of this worker's node at registration.
+    node->set_local_device_count(static_cast<uint32_t>(usable));
+    auto* caps = node->mutable_capabilities();
+    caps->set_cuda(info.compiled && usable > 0);
+    caps->set_nccl(info.compiled && usable > 0);
+    if (info.compiled) {
+      caps->set_cuda_version(fmt::format("{}.{}", info.runtime_version / 1000, (info.runtime_version % 1000) / 10));
+      caps->set_nccl_version(fmt::format("{}.{}.{}", info.nccl_version / 10000, (info.nccl_version % 10000) / 100,
+                                         info.nccl_version % 100));
+    }
     return Status::Ok();
   });
   return spec;
