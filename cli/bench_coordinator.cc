@@ -28,6 +28,7 @@
 #include "cli/launcher.h"
 #include "common/config.h"
 #include "common/grpc_util.h"
+#include "common/proc_stat.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
 namespace tandem::cli {
@@ -38,20 +39,6 @@ using google::protobuf::util::TimeUtil;
 
 double Since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
-}
-
-// CPU seconds (user + system) and resident bytes of a process, from /proc.
-std::pair<double, double> ProcessUsage(pid_t pid) {
-  std::ifstream stat_file("/proc/" + std::to_string(pid) + "/stat");
-  std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
-  const size_t paren = stat.rfind(')');
-  if (paren == std::string::npos) return {0, 0};
-  std::istringstream fields(stat.substr(paren + 2));
-  std::vector<std::string> f;
-  for (std::string s; fields >> s;) f.push_back(s);
-  if (f.size() < 22) return {0, 0};
-  const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
-  return {(std::stod(f[11]) + std::stod(f[12])) / ticks, std::stod(f[21]) * static_cast<double>(sysconf(_SC_PAGESIZE))};
 }
 
 struct Member {
@@ -412,11 +399,12 @@ int BenchCoordinatorCommand(int argc, char** argv) {
   say(fmt::format("rendezvous: {} members registered and saw epoch 1 active in {:.3f} s", workers, rendezvous));
   // (2) heartbeats
   sim.StopBackground();
-  const auto [cpu0, rss0] = ProcessUsage(pid);
+  const auto usage0 = ReadProcStat(pid).value_or(ProcStat{});
   const auto h0 = Clock::now();
   const double rate = sim.Heartbeats(interval, duration, 8);
-  const auto [cpu1, rss1] = ProcessUsage(pid);
-  const double cores = (cpu1 - cpu0) / Since(h0);
+  const auto usage1 = ReadProcStat(pid).value_or(ProcStat{});
+  const double cores = (usage1.cpu_seconds - usage0.cpu_seconds) / Since(h0);
+  const double rss1 = usage1.resident_bytes;
   say(fmt::format("heartbeats: {:.0f}/s for {:.1f} s; coordinator CPU {:.3f} cores, RSS {:.1f} MiB", rate,
                   duration.count() / 1000.0, cores, rss1 / 1048576.0));
   // (3) failures

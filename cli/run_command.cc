@@ -16,6 +16,7 @@
 #include "common/config.h"
 #include "common/grpc_util.h"
 #include "common/health.h"
+#include "common/logging.h"
 #include "common/shutdown.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
@@ -99,8 +100,7 @@ int RunCommand(int argc, char** argv) {
   options.Bool("hold", &config.hold, "keep the cluster running until Ctrl-C or SIGTERM");
   options.Duration("startup_timeout", &config.startup_timeout, "how long each process may take to become ready",
                    std::chrono::milliseconds(100), std::chrono::milliseconds(600000));
-  options.Choice("log.level", &config.log_level, {"trace", "debug", "info", "warn", "error"},
-                 "log level of the started processes");
+  options.Choice("log.level", &config.log_level, LogLevels(), "log level of the started processes");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   if (config.work_dir.empty()) {
     std::string tmpl = "/tmp/tandem-run-XXXXXX";

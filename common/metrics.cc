@@ -21,6 +21,7 @@
 #include <prometheus/text_serializer.h>
 
 #include "common/config.h"
+#include "common/proc_stat.h"
 #include "tandem/config.h"
 
 namespace tandem {
@@ -50,60 +51,25 @@ int CountOpenFds() {
   return n - 3;  // ".", ".." and the directory's own descriptor
 }
 
-// When this process started, in Unix seconds: boot time (/proc/stat btime)
-// plus the start time in clock ticks (/proc/self/stat field 22). Falls back
-// to now if /proc cannot be read.
-double ProcessStartTime() {
-  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  std::ifstream proc_stat("/proc/stat");
-  double boot = 0;
-  for (std::string key; proc_stat >> key;) {
-    if (key == "btime") {
-      proc_stat >> boot;
-      break;
-    }
-  }
-  std::ifstream self_stat("/proc/self/stat");
-  std::string stat((std::istreambuf_iterator<char>(self_stat)), std::istreambuf_iterator<char>());
-  const size_t paren = stat.rfind(')');
-  if (boot <= 0 || paren == std::string::npos) return now;
-  std::istringstream fields(stat.substr(paren + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && fields >> field; ++i) {
-  }
-  const double ticks = std::strtod(field.c_str(), nullptr);
-  return ticks > 0 ? boot + ticks / static_cast<double>(sysconf(_SC_CLK_TCK)) : now;
-}
-
 class ProcessCollector : public prometheus::Collectable {
  public:
-  explicit ProcessCollector(std::string daemon) : daemon_(std::move(daemon)), start_time_(ProcessStartTime()) {}
+  explicit ProcessCollector(std::string daemon) : daemon_(std::move(daemon)) {
+    const auto stat = ReadProcStat();
+    start_time_ = stat ? stat->start_unix_seconds
+                       : std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
 
   std::vector<prometheus::MetricFamily> Collect() const override {
     using prometheus::MetricType;
     std::vector<prometheus::MetricFamily> out;
-    // /proc/self/stat fields 14/15 (utime, stime in ticks), 20 (threads), 23 (vsize), 24 (rss pages).
-    std::ifstream stat_file("/proc/self/stat");
-    std::string stat((std::istreambuf_iterator<char>(stat_file)), std::istreambuf_iterator<char>());
-    const size_t paren = stat.rfind(')');
-    if (paren != std::string::npos) {
-      std::istringstream fields(stat.substr(paren + 2));
-      std::vector<std::string> f;
-      for (std::string s; fields >> s;) f.push_back(s);
-      // f[0] is field 3 (state); field N is f[N - 3].
-      if (f.size() > 21) {
-        const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
-        const double cpu = (std::stod(f[11]) + std::stod(f[12])) / ticks;
-        const double rss = std::stod(f[21]) * static_cast<double>(sysconf(_SC_PAGESIZE));
-        out.push_back(Family("tandem_process_cpu_seconds_total", "CPU time used by this process (user and system).",
-                             MetricType::Counter, cpu));
-        out.push_back(
-            Family("tandem_process_resident_memory_bytes", "Resident memory of this process.", MetricType::Gauge, rss));
-        out.push_back(Family("tandem_process_virtual_memory_bytes", "Virtual memory size of this process.",
-                             MetricType::Gauge, std::stod(f[20])));
-        out.push_back(
-            Family("tandem_process_threads", "Threads in this process.", MetricType::Gauge, std::stod(f[17])));
-      }
+    if (const auto stat = ReadProcStat()) {
+      out.push_back(Family("tandem_process_cpu_seconds_total", "CPU time used by this process (user and system).",
+                           MetricType::Counter, stat->cpu_seconds));
+      out.push_back(Family("tandem_process_resident_memory_bytes", "Resident memory of this process.",
+                           MetricType::Gauge, stat->resident_bytes));
+      out.push_back(Family("tandem_process_virtual_memory_bytes", "Virtual memory size of this process.",
+                           MetricType::Gauge, stat->virtual_bytes));
+      out.push_back(Family("tandem_process_threads", "Threads in this process.", MetricType::Gauge, stat->threads));
     }
     out.push_back(
         Family("tandem_process_open_fds", "Open file descriptors of this process.", MetricType::Gauge, CountOpenFds()));

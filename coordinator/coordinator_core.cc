@@ -247,7 +247,6 @@ Status CoordinatorCore::Recover() {
   TANDEM_ASSIGN_OR_RETURN(Recovery recovery, store_->Recover());
   std::unique_lock<std::mutex> lock(mu_);
   for (const auto& w : recovery.warnings) spdlog::warn("store: {}", w);
-  recovering_ = true;
   if (recovery.snapshot_sequence > 0) {
     internal::Snapshot snapshot;
     if (!snapshot.ParseFromString(recovery.snapshot)) {
@@ -268,7 +267,6 @@ Status CoordinatorCore::Recover() {
     last_sequence_ = sequence;
     Apply(record, /*live=*/false);
   }
-  recovering_ = false;
   // A crash between a member's death record and the epoch without it leaves
   // an epoch naming a dead member, which could never settle: re-form it now.
   for (auto& [id, job] : jobs_) {
@@ -444,8 +442,7 @@ bool CoordinatorCore::InLatest(const Job& job, uint64_t member_id) const {
   return job.latest_index.count(member_id) > 0;
 }
 
-void CoordinatorCore::SetMemberState(Job& job, Member& member, v1::MemberState state, const std::string& detail) {
-  (void)job;
+void CoordinatorCore::SetMemberState(Member& member, v1::MemberState state, const std::string& detail) {
   internal::Record r;
   *r.mutable_member() = member.record;
   r.mutable_member()->set_state(state);
@@ -765,7 +762,7 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
   }
   for (uint64_t id : servers) {
     Member& m = job.members[id];
-    if (m.record.state() != v1::MEMBER_STATE_ACTIVE) SetMemberState(job, m, v1::MEMBER_STATE_ACTIVE, "");
+    if (m.record.state() != v1::MEMBER_STATE_ACTIVE) SetMemberState(m, v1::MEMBER_STATE_ACTIVE, "");
   }
   for (auto& [id, m] : job.members) {
     if (m.record.role() == v1::ROLE_WORKER && Alive(m) && !ranked_ids.count(id) && m.record.has_rank()) {
@@ -822,7 +819,7 @@ void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t
     ++stats_.failures_detected;
     in_epoch |= InLatest(job, id);
     failed_hosts.insert(HostKey(member.record.node()));
-    SetMemberState(job, member, v1::MEMBER_STATE_DEAD, why);
+    SetMemberState(member, v1::MEMBER_STATE_DEAD, why);
     if (detail.empty()) detail = fmt::format("member {} failed: {}", id, why);
   }
   if (dead.size() > 1 && !detail.empty()) detail += fmt::format(" (and {} more)", dead.size() - 1);
@@ -939,8 +936,7 @@ Result<CoordinatorCore::Reply<v1::LeaveResponse>> CoordinatorCore::Leave(const v
   const bool in_epoch = InLatest(*job, id);
   spdlog::info("job '{}': {} {} leaves{}{}", job->spec.job_id(), RoleName(member->record.role()), id,
                request.message().empty() ? "" : ": ", request.message());
-  SetMemberState(*job, *member, v1::MEMBER_STATE_LEFT,
-                 request.message().empty() ? "left" : "left: " + request.message());
+  SetMemberState(*member, v1::MEMBER_STATE_LEFT, request.message().empty() ? "left" : "left: " + request.message());
   Reply<v1::LeaveResponse> reply;
   if (in_epoch && !PublishEpoch(*job, v1::EPOCH_CAUSE_LEAVE, fmt::format("member {} left", id))) {
     MaybeCloseRendezvous(*job);
@@ -1004,7 +1000,6 @@ Result<uint64_t> CoordinatorCore::AttachStream(const v1::WatchMembershipRequest&
   std::lock_guard<std::mutex> lock(mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
-  member->stream_attached = true;
   member->stream_broken = false;
   member->last_heartbeat = clock_->Now();
   return ++member->stream_generation;
@@ -1020,7 +1015,6 @@ void CoordinatorCore::DetachStream(const std::string& job_id, uint64_t member_id
       m->second.stream_generation != generation) {
     return;
   }
-  m->second.stream_attached = false;
   m->second.stream_broken = true;
   m->second.stream_broken_at = clock_->Now();
 }
@@ -1124,7 +1118,7 @@ void CoordinatorCore::Tick() {
           fmt::format("rendezvous did not complete within {}: {}", FormatDuration(join_timeout), job.waiting_reason);
       for (uint64_t id : timed_out) {
         auto it = job.members.find(id);
-        if (it != job.members.end()) SetMemberState(job, it->second, v1::MEMBER_STATE_LEFT, why);
+        if (it != job.members.end()) SetMemberState(it->second, v1::MEMBER_STATE_LEFT, why);
       }
       spdlog::warn("job '{}': {} member(s) gave up: {}", job_id, timed_out.size(), why);
     }
@@ -1260,7 +1254,7 @@ Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v
   Reply<v1::DrainResponse> reply;
   if (it->second.record.state() != v1::MEMBER_STATE_DRAINING) {
     const bool in_epoch = InLatest(*job, request.member_id());
-    SetMemberState(*job, it->second, v1::MEMBER_STATE_DRAINING,
+    SetMemberState(it->second, v1::MEMBER_STATE_DRAINING,
                    request.reason().empty() ? "drained by an administrator" : "drained: " + request.reason());
     if (in_epoch) PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN, fmt::format("member {} drained", request.member_id()));
   }
@@ -1296,7 +1290,7 @@ Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v
     if (workers <= spec.max_workers()) break;
     auto m = job->members.find(id);
     if (m == job->members.end() || !Alive(m->second)) continue;
-    SetMemberState(*job, m->second, v1::MEMBER_STATE_DRAINING, "drained to scale down");
+    SetMemberState(m->second, v1::MEMBER_STATE_DRAINING, "drained to scale down");
     reply.response.add_drained_member_ids(id);
     --workers;
   }

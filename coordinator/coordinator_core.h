@@ -154,7 +154,6 @@ class CoordinatorCore {
     internal::MemberRecord record;
     Clock::TimePoint last_heartbeat{};
     Clock::TimePoint joined{};  // for the join timeout
-    bool stream_attached = false;
     uint64_t stream_generation = 0;
     bool stream_broken = false;
     Clock::TimePoint stream_broken_at{};
@@ -206,7 +205,7 @@ class CoordinatorCore {
   // Marks members dead (id, why), counts one failure per host, and publishes
   // one epoch without them.
   void DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead) TANDEM_REQUIRES(mu_);
-  void SetMemberState(Job& job, Member& member, v1::MemberState state, const std::string& detail) TANDEM_REQUIRES(mu_);
+  void SetMemberState(Member& member, v1::MemberState state, const std::string& detail) TANDEM_REQUIRES(mu_);
   static bool Alive(const Member& m);
   bool InLatest(const Job& job, uint64_t member_id) const;
   v1::MembershipEpoch View(const Job& job, uint64_t member_id, v1::PeerView view) const TANDEM_REQUIRES(mu_);
@@ -228,7 +227,6 @@ class CoordinatorCore {
   uint64_t snapshot_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
   bool snapshot_running_ TANDEM_GUARDED_BY(mu_) = false;
   std::optional<Clock::TimePoint> last_tick_ TANDEM_GUARDED_BY(mu_);
-  bool recovering_ TANDEM_GUARDED_BY(mu_) = false;
   bool notify_ TANDEM_GUARDED_BY(mu_) = false;
   bool notify_epochs_ TANDEM_GUARDED_BY(mu_) = false;
   std::mt19937_64 random_ TANDEM_GUARDED_BY(mu_);
