@@ -22,6 +22,9 @@ int DrainCommand(int argc, char** argv);
 int ScaleCommand(int argc, char** argv);
 // tandem bench coordinator: simulated members against a real coordinator.
 int BenchCoordinatorCommand(int argc, char** argv);
+// tandem bench allreduce | reducescatter | allgather | broadcast | reduce |
+// sendrecv | barrier: the data plane's collectives between processes.
+int BenchCollectiveCommand(const std::string& collective, int argc, char** argv);
 // The text `tandem status` prints.
 std::string FormatStatus(const v1::GetStatusResponse& status);
 

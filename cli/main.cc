@@ -20,7 +20,9 @@ Commands:
   drain      take a member out of its job at the next epoch
   scale      change a job's minimum and maximum number of workers
   health     ask a daemon's gRPC health service whether it is serving
-  bench      benchmarks: 'tandem bench coordinator' (rendezvous, heartbeats, failure detection)
+  bench      benchmarks: 'tandem bench coordinator' (rendezvous, heartbeats, failure detection);
+             'tandem bench allreduce|reducescatter|allgather|broadcast|reduce|sendrecv|barrier --np N'
+             (the data plane's collectives between N processes on this machine)
   version    print the version
 
 Run 'tandem COMMAND --help' for a command's flags.
@@ -51,7 +53,12 @@ int main(int argc, char** argv) {
     if (argc >= 3 && std::strcmp(argv[2], "coordinator") == 0) {
       return tandem::cli::BenchCoordinatorCommand(argc - 2, argv + 2);
     }
-    fmt::print(stderr, "tandem bench: name a benchmark: coordinator\n");
+    for (const char* c : {"allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "barrier"}) {
+      if (argc >= 3 && std::strcmp(argv[2], c) == 0) return tandem::cli::BenchCollectiveCommand(c, argc - 2, argv + 2);
+    }
+    fmt::print(stderr,
+               "tandem bench: name a benchmark: coordinator, allreduce, reducescatter, allgather, broadcast, reduce, "
+               "sendrecv, barrier\n");
     return 2;
   }
   fmt::print(stderr, "tandem: unknown command '{}' (run tandem --help to list the commands)\n", command);

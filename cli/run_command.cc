@@ -230,8 +230,9 @@ int RunCommand(int argc, char** argv) {
   if (job.active_epoch() > 0) fmt::print("\n{}", FormatStatus(job));
   fmt::print(
       "\nTraining is not available in this version of Tandem yet: this run starts the cluster, forms the job's\n"
-      "first membership epoch (ranks, mesh, shard map), checks that every process serves and is ready, and stops\n"
-      "it. The data plane, the parameter servers' optimizer and the trainer come next (see README.md).\n\n");
+      "first membership epoch (ranks, mesh, shard map), has every worker build and check its communicators\n"
+      "(see the workers' logs), checks that every process serves and is ready, and stops it. The parameter\n"
+      "servers' optimizer and the trainer come next (see README.md).\n\n");
 
   if (config.hold) {
     fmt::print("Holding the cluster up (--hold); press Ctrl-C or send SIGTERM to stop it.\n");

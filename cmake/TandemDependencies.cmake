@@ -9,6 +9,8 @@ find_package(yaml-cpp CONFIG REQUIRED)
 find_package(spdlog CONFIG REQUIRED)
 find_package(fmt CONFIG REQUIRED)
 find_package(GTest REQUIRED)
+find_package(PkgConfig REQUIRED)
+pkg_check_modules(UCX REQUIRED IMPORTED_TARGET ucx)  # PkgConfig::UCX (libucx-dev)
 
 if(TARGET yaml-cpp::yaml-cpp)
   set(TANDEM_YAML_TARGET yaml-cpp::yaml-cpp)

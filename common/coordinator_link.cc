@@ -22,7 +22,8 @@ void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* co
 }
 
 Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon,
-                                                                v1::Role role, const v1::NodeIdentity& node) {
+                                                                v1::Role role, const v1::NodeIdentity& node,
+                                                                MemberHooks hooks) {
   std::unique_ptr<CoordinatorLink> link(new CoordinatorLink());
   TANDEM_ASSIGN_OR_RETURN(auto channel,
                           MakeChannel(config.address, daemon.config().tls, daemon.config().max_message_bytes));
@@ -44,6 +45,9 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
   options.node.set_memory_bytes(static_cast<uint64_t>(sysconf(_SC_PHYS_PAGES)) *
                                 static_cast<uint64_t>(sysconf(_SC_PAGESIZE)));
   options.control_address = daemon.grpc_address();
+  options.endpoints = hooks.endpoints;
+  options.peer_view = hooks.peer_view;
+  options.collective_progress = hooks.collective_progress;
 
   auto& up = prometheus::BuildGauge()
                  .Name("tandem_coordinator_reachable")
@@ -73,9 +77,10 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
     up.Set(connected ? 1 : 0);
     d->SetReady(connected);
   };
-  options.on_epoch = [&epoch_gauge](const v1::MembershipEpoch& epoch) {
+  CoordinatorLink* self = link.get();  // owns the session, so outlives its callbacks
+  options.on_epoch = [&epoch_gauge, self, on_epoch = hooks.on_epoch](const v1::MembershipEpoch& epoch) {
     epoch_gauge.Set(static_cast<double>(epoch.epoch()));
-    return Status::Ok();
+    return on_epoch ? on_epoch(epoch, *self->session_) : Status::Ok();
   };
   options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };
   // Not reachable until the first registration succeeds.

@@ -10,8 +10,10 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <grpcpp/channel.h>
 
@@ -29,6 +31,18 @@ struct CoordinatorLinkConfig {
 
 void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* config);
 
+// What a role adds to its member session.
+struct MemberHooks {
+  // Data-plane addresses to register (RegisterRequest.endpoints).
+  std::vector<v1::Endpoint> endpoints;
+  v1::PeerView peer_view = v1::PEER_VIEW_LOCAL;
+  // Called for every epoch this member is part of, before it is acknowledged
+  // (an error is reported to the coordinator, which re-forms without it).
+  std::function<Status(const v1::MembershipEpoch&, MemberSession&)> on_epoch;
+  // Progress in the member's communicators, for heartbeats.
+  std::function<std::vector<v1::CollectiveProgress>()> collective_progress;
+};
+
 class CoordinatorLink {
  public:
   // Opens the channel (with the daemon's TLS settings) and starts the session.
@@ -36,7 +50,8 @@ class CoordinatorLink {
   // `node` carries what the role knows of its node (devices, capabilities);
   // the link adds the hostname, node id, cores and memory.
   static Result<std::unique_ptr<CoordinatorLink>> Start(const CoordinatorLinkConfig& config, Daemon& daemon,
-                                                        v1::Role role, const v1::NodeIdentity& node);
+                                                        v1::Role role, const v1::NodeIdentity& node,
+                                                        MemberHooks hooks = {});
   ~CoordinatorLink();
 
   // Leaves the job (bounded by `timeout`) and stops the session.

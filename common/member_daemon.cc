@@ -3,7 +3,8 @@
 namespace tandem {
 
 void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
-                    std::function<Status(Daemon&, v1::NodeIdentity*)> extra_started) {
+                    std::function<Status(Daemon&, v1::NodeIdentity*, MemberHooks*)> extra_started,
+                    std::function<void()> extra_stopping) {
   struct State {
     CoordinatorLinkConfig config;
     std::unique_ptr<CoordinatorLink> link;
@@ -15,11 +16,13 @@ void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSe
   };
   spec.started = [state, role, extra_started](Daemon& daemon) -> Status {
     v1::NodeIdentity node;
-    if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon, &node));
-    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon, role, node));
+    MemberHooks hooks;
+    if (extra_started) TANDEM_RETURN_IF_ERROR(extra_started(daemon, &node, &hooks));
+    TANDEM_ASSIGN_OR_RETURN(state->link, CoordinatorLink::Start(state->config, daemon, role, node, std::move(hooks)));
     return Status::Ok();
   };
-  spec.stopping = [state](Daemon&) {
+  spec.stopping = [state, extra_stopping](Daemon&) {
+    if (extra_stopping) extra_stopping();
     if (state->link) state->link->Leave(std::chrono::milliseconds(1000));
     state->link.reset();
   };

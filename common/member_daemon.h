@@ -13,9 +13,12 @@ namespace tandem {
 
 // Fills in `spec.declare`, `spec.started` and `spec.stopping` so the member
 // follows its coordinator; `extra_declare` and `extra_started` add the role's
-// own. `extra_started` runs before the member registers and may describe the
-// node (devices, capabilities) in the NodeIdentity it is given.
+// own. `extra_started` runs before the member registers; it may describe the
+// node (devices, capabilities) in the NodeIdentity and hook into the member
+// session (endpoints, epochs, heartbeat progress) through MemberHooks.
+// `extra_stopping` runs before the member leaves the job.
 void MakeMemberSpec(DaemonSpec& spec, v1::Role role, std::function<void(OptionSet&)> extra_declare,
-                    std::function<Status(Daemon&, v1::NodeIdentity*)> extra_started);
+                    std::function<Status(Daemon&, v1::NodeIdentity*, MemberHooks*)> extra_started,
+                    std::function<void()> extra_stopping = nullptr);
 
 }  // namespace tandem

@@ -41,6 +41,11 @@ uint64_t MemberSession::member_id() const {
   return member_id_;
 }
 
+uint64_t MemberSession::session_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return session_id_;
+}
+
 uint64_t MemberSession::epoch() const {
   std::lock_guard<std::mutex> lock(mu_);
   return epoch_.epoch();
@@ -155,7 +160,7 @@ void MemberSession::WatchOnce() {
     request.set_last_epoch_seen(epoch_.epoch());
     // The peers on this member's node and the servers: what a member needs
     // today, and O(node) per member instead of O(job) for large jobs.
-    request.set_peer_view(v1::PEER_VIEW_LOCAL);
+    request.set_peer_view(options_.peer_view);
     watch_context_ = &ctx;
   }
   auto reader = stub_->WatchMembership(&ctx, request);
@@ -269,6 +274,13 @@ void MemberSession::HeartbeatLoop() {
     if (request.member_id() != 0) {
       request.set_token(options_.token);
       request.set_step(step_);
+      if (options_.collective_progress) {
+        constexpr size_t kMaxCollectives = 64;  // HeartbeatRequest.collectives
+        for (auto& c : options_.collective_progress()) {
+          if (static_cast<size_t>(request.collectives_size()) == kMaxCollectives) break;
+          *request.add_collectives() = std::move(c);
+        }
+      }
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + interval);
       v1::HeartbeatResponse response;

@@ -22,6 +22,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -47,6 +48,14 @@ struct MemberSessionOptions {
   // Called when the coordinator asks the member to drain; the session then
   // leaves the job and stops.
   std::function<void()> on_drain;
+  // Called before each heartbeat for the member's progress in each
+  // communicator of its epoch (HeartbeatRequest.collectives; entries beyond
+  // the first 64 are dropped). Unset: none reported.
+  std::function<std::vector<v1::CollectiveProgress>()> collective_progress;
+  // How much of each epoch the member receives: PEER_VIEW_LOCAL (this node's
+  // members and the servers) or PEER_VIEW_FULL (every member; workers whose
+  // communicators span nodes need it).
+  v1::PeerView peer_view = v1::PEER_VIEW_LOCAL;
   // First and largest wait between attempts to reach the coordinator.
   std::chrono::milliseconds retry_min{100};
   std::chrono::milliseconds retry_max{2000};
@@ -67,6 +76,10 @@ class MemberSession {
 
   bool connected() const { return connected_; }
   uint64_t member_id() const;
+  // The current registration's session id (0 before the first).
+  uint64_t session_id() const;
+  const MemberSessionOptions& options() const { return options_; }
+  const std::shared_ptr<grpc::Channel>& channel() const { return channel_; }
   // The newest epoch seen (0: none yet) and this member's rank in it, if ranked.
   uint64_t epoch() const;
   std::optional<v1::RankAssignment> rank() const;

@@ -1203,7 +1203,9 @@ Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequ
       (m.record.role() == v1::ROLE_WORKER ? waiting_workers : waiting_servers)++;
     }
   }
-  // A collective is stalled when some members of the epoch entered it and others did not.
+  // A collective is stalled when some members of its communicator entered it
+  // (and wait inside it) and others did not. Every worker belongs to "world";
+  // the members of a subgroup ("node/0", "dp/3", ...) are those that report it.
   std::map<std::string, uint64_t> newest;
   for (const auto& [id, m] : job.members) {
     for (const auto& c : m.collectives) newest[c.communicator()] = std::max(newest[c.communicator()], c.last_entered());
@@ -1216,18 +1218,21 @@ Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequ
     for (const auto& [id, m] : job.members) {
       if (!InLatest(job, id) || m.record.role() != v1::ROLE_WORKER) continue;
       uint64_t entered = 0;
+      bool member = name == "world";
       for (const auto& c : m.collectives) {
         if (c.communicator() == name) {
+          member = true;
           entered = c.last_entered();
           if (c.last_entered() == seq && c.last_completed() < seq) longest = std::max(longest, ToMs(c.in_flight()));
         }
       }
-      if (entered < seq) {
+      if (member && entered < seq) {
         stalled.add_waiting_for_member_ids(id);
         if (auto r = ranks.find(id); r != ranks.end()) stalled.add_waiting_for_ranks(r->second.global_rank());
       }
     }
-    if (stalled.waiting_for_member_ids_size() > 0) {
+    // Someone must be waiting inside it: a member merely a heartbeat behind is not a stall.
+    if (stalled.waiting_for_member_ids_size() > 0 && longest > milliseconds(0)) {
       *stalled.mutable_stalled_for() = FromMs(longest);
       *response.add_stalled_collectives() = std::move(stalled);
     }

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include "reference.h"
 #include "worker/transport/local_transport.h"
 
 namespace tandem::collectives {
@@ -33,83 +34,12 @@ std::vector<Status> RunRanks(int n, const std::function<Status(int, transport::T
   return results;
 }
 
-// Values that every dtype holds exactly (multiples of 1/8 in [-4, 4]), so
-// sums, minima and maxima are exact and only avg needs a tolerance.
-double Value(int rank, size_t i, uint64_t seed) {
-  // splitmix64 of (seed, rank, i): cheap enough for millions of elements.
-  uint64_t z = seed + (static_cast<uint64_t>(rank) << 40) + i * 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
-  return static_cast<double>(static_cast<int>(z % 65) - 32) / 8.0;
-}
-
-void Store(DType dtype, void* base, size_t i, double v) {
-  switch (dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(base)[i] = static_cast<float>(v);
-      return;
-    case DType::kFloat16:
-      static_cast<uint16_t*>(base)[i] = FloatToHalf(static_cast<float>(v));
-      return;
-    case DType::kBFloat16:
-      static_cast<uint16_t*>(base)[i] = FloatToBFloat16(static_cast<float>(v));
-      return;
-    case DType::kInt32:
-      static_cast<int32_t*>(base)[i] = static_cast<int32_t>(v * 8);
-      return;
-    case DType::kInt64:
-      static_cast<int64_t*>(base)[i] = static_cast<int64_t>(v * 8);
-      return;
-  }
-}
-
-double Load(DType dtype, const void* base, size_t i) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(base)[i];
-    case DType::kFloat16:
-      return HalfToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(base)[i]);
-    case DType::kInt32:
-      return static_cast<double>(static_cast<const int32_t*>(base)[i]) / 8;
-    case DType::kInt64:
-      return static_cast<double>(static_cast<const int64_t*>(base)[i]) / 8;
-  }
-  return 0;
-}
-
-bool IsInt(DType d) {
-  return d == DType::kInt32 || d == DType::kInt64;
-}
-
-double Expected(int n, size_t i, uint64_t seed, ReduceOp op, DType dtype) {
-  double acc = Value(0, i, seed);
-  for (int r = 1; r < n; ++r) {
-    const double v = Value(r, i, seed);
-    acc = op == ReduceOp::kMin ? std::min(acc, v) : op == ReduceOp::kMax ? std::max(acc, v) : acc + v;
-  }
-  if (op == ReduceOp::kAvg) {
-    // Integers divide with truncation (of the value times 8, as stored).
-    acc = IsInt(dtype) ? std::trunc(acc * 8 / n) / 8 : acc / n;
-  }
-  return acc;
-}
-
-double Tolerance(DType dtype, ReduceOp op) {
-  if (op != ReduceOp::kAvg) return 0;  // exact by construction
-  switch (dtype) {
-    case DType::kFloat32:
-      return 1e-6;
-    case DType::kFloat16:
-      return 4e-3;  // 11-bit mantissa of values up to 4
-    case DType::kBFloat16:
-      return 3e-2;  // 8-bit mantissa
-    default:
-      return 0;
-  }
-}
+using reference::Expected;
+using reference::IsInt;
+using reference::Load;
+using reference::Store;
+using reference::Tolerance;
+using reference::Value;
 
 struct Case {
   int world;

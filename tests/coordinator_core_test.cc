@@ -3,6 +3,8 @@
 // the shard map, host hold-out, validation, and recovery after a restart.
 #include "coordinator/coordinator_core.h"
 
+#include <tuple>
+
 #include <google/protobuf/util/time_util.h>
 #include <gtest/gtest.h>
 
@@ -205,6 +207,57 @@ TEST_F(CoreTest, MissedHeartbeatsMakeANewEpochWithoutTheDeadMember) {
   const Status s = Beat(b);
   EXPECT_EQ(s.code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(s.message().find("no heartbeat for"), std::string::npos) << s.message();
+}
+
+// Heartbeat progress names the members that never entered a collective the
+// others wait in; members of other subgroups and members merely a heartbeat
+// behind are not reported.
+TEST_F(CoreTest, StalledCollectivesNameTheMembersThatNeverEnteredThem) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(4, 4)).ok());
+  const M a = Join("n0");
+  const M b = Join("n0");
+  const M c = Join("n1");
+  const M d = Join("n1");
+  const auto epoch = Latest(a);
+  AckAll(epoch);
+  const auto ranks = Ranks(epoch);
+  auto beat = [&](const M& m, std::vector<std::tuple<std::string, uint64_t, uint64_t, int64_t>> progress) {
+    v1::HeartbeatRequest r;
+    r.set_job_id("j");
+    r.set_member_id(m.id);
+    r.set_session_id(m.session);
+    for (const auto& [name, entered, completed, in_flight_ms] : progress) {
+      auto* p = r.add_collectives();
+      p->set_communicator(name);
+      p->set_last_entered(entered);
+      p->set_last_completed(completed);
+      p->set_last_op("allreduce");
+      *p->mutable_in_flight() = TimeUtil::MillisecondsToDuration(in_flight_ms);
+    }
+    ASSERT_TRUE(core_->Heartbeat(r).ok());
+  };
+  // world: a, b and c wait inside allreduce 5; d never entered it. node/0
+  // (a, b) is fine; node/1 has only c and d, both done with seq 2.
+  beat(a, {{"world", 5, 4, 9000}, {"node/0", 3, 3, 0}});
+  beat(b, {{"world", 5, 4, 9000}, {"node/0", 3, 3, 0}});
+  beat(c, {{"world", 5, 4, 8000}, {"node/1", 2, 2, 0}});
+  beat(d, {{"world", 4, 4, 0}, {"node/1", 2, 2, 0}});
+  auto status = Status_();
+  ASSERT_EQ(status.stalled_collectives_size(), 1) << status.DebugString();
+  const auto& stalled = status.stalled_collectives(0);
+  EXPECT_EQ(stalled.communicator(), "world");
+  EXPECT_EQ(stalled.sequence(), 5u);
+  ASSERT_EQ(stalled.waiting_for_member_ids_size(), 1);
+  EXPECT_EQ(stalled.waiting_for_member_ids(0), d.id);
+  EXPECT_EQ(stalled.waiting_for_ranks(0), ranks.at(d.id));
+  EXPECT_EQ(TimeUtil::DurationToMilliseconds(stalled.stalled_for()), 9000);
+  // A member a heartbeat ahead, with nobody waiting inside: not a stall.
+  beat(d, {{"world", 5, 5, 0}, {"node/1", 3, 3, 0}});
+  beat(a, {{"world", 5, 5, 0}, {"node/0", 3, 3, 0}});
+  beat(b, {{"world", 5, 5, 0}, {"node/0", 3, 3, 0}});
+  beat(c, {{"world", 5, 5, 0}, {"node/1", 2, 2, 0}});
+  EXPECT_EQ(Status_().stalled_collectives_size(), 0) << Status_().DebugString();
 }
 
 TEST_F(CoreTest, ABrokenStreamThatDoesNotComeBackIsAFailure) {

@@ -45,8 +45,12 @@ class CoordinatorProcessTest : public ::testing::Test {
     return testing::StartDaemon(binary, name, dir_.path(), std::move(args));
   }
 
+  // Workers run without communicators here: this test times the control plane
+  // (data_plane_process_test covers the data plane across epochs).
   Result<cli::LaunchedDaemon> StartMember(const std::string& binary, const std::string& name, const std::string& node) {
-    return Start(binary, name, {"--coordinator-address", coordinator_address_, "--node-id", node});
+    std::vector<std::string> args = {"--coordinator-address", coordinator_address_, "--node-id", node};
+    if (binary == "tandem-worker") args.insert(args.end(), {"--data-plane-backend", "off"});
+    return Start(binary, name, args);
   }
 
   v1::GetStatusResponse Status_() {

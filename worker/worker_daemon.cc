@@ -4,6 +4,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/member_daemon.h"
+#include "worker/data_plane.h"
 #include "worker/nccl/gpu_info.h"
 
 namespace tandem::worker {
@@ -18,7 +19,16 @@ DaemonSpec MakeDaemonSpec() {
   spec.epilog =
       "The worker follows the coordinator at --coordinator-address: it stays up while the coordinator is\n"
       "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
-  MakeMemberSpec(spec, v1::ROLE_WORKER, nullptr, [](Daemon& daemon, v1::NodeIdentity* node) -> Status {
+  struct State {
+    DataPlaneConfig config;
+    std::unique_ptr<DataPlane> data_plane;
+  };
+  auto state = std::make_shared<State>();
+  auto declare = [state](OptionSet& options) { DeclareDataPlaneOptions(options, &state->config); };
+  auto stopping = [state] {
+    if (state->data_plane) state->data_plane->Stop();
+  };
+  auto started = [state](Daemon& daemon, v1::NodeIdentity* node, MemberHooks* hooks) -> Status {
     const gpu::GpuInfo info = gpu::Probe();
     spdlog::info("GPU backend: {}", gpu::Describe(info));
     int usable = 0;
@@ -45,8 +55,10 @@ DaemonSpec MakeDaemonSpec() {
       caps->set_nccl_version(fmt::format("{}.{}.{}", info.nccl_version / 10000, (info.nccl_version % 10000) / 100,
                                          info.nccl_version % 100));
     }
-    return Status::Ok();
-  });
+    state->data_plane = std::make_unique<DataPlane>(state->config, daemon);
+    return state->data_plane->Hook(hooks);
+  };
+  MakeMemberSpec(spec, v1::ROLE_WORKER, declare, started, stopping);
   return spec;
 }
 

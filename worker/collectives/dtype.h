@@ -23,6 +23,12 @@ uint16_t FloatToHalf(float f);
 float BFloat16ToFloat(uint16_t b);
 uint16_t FloatToBFloat16(float f);
 
+// Element i of an array of `dtype` as a double, and a double stored into one
+// (rounded to nearest-even for the narrow floats, truncated for integers):
+// for checks, references and benchmarks, not the hot path.
+double LoadAsDouble(DType dtype, const void* base, size_t i);
+void StoreFromDouble(DType dtype, void* base, size_t i, double v);
+
 // acc[i] = op(acc[i], in[i]) for n elements (kAvg sums; see Scale).
 void Reduce(void* acc, const void* in, size_t n, DType dtype, ReduceOp op);
 // data[i] /= divisor (for kAvg after the sum; integers divide with truncation).

@@ -1,0 +1,720 @@
+// UcxTransport (worker/transport/ucx_transport.h): ranks as threads of this
+// process, each with its own UCX contexts and workers, addresses exchanged in
+// memory, on three paths (copy through shared memory, cma rendezvous, TCP on
+// lo): ordered matching, many tags, sizes, size mismatches, timeouts, dropped
+// requests, a peer that closes, and the CPU collectives over UCX. A peer that
+// is SIGKILLed runs as a child process (this binary, re-run with a filter).
+//
+// With TANDEM_UCX_BENCH=1, UcxBench.CopyVersusCma prints the bandwidth of
+// large messages through posix/sysv segments and through cma.
+#include "worker/transport/ucx_transport.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/process.h"
+#include "tests/test_util.h"
+#include "worker/collectives/collectives.h"
+
+namespace tandem::transport {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+constexpr milliseconds kWait{10000};
+
+UcxOptions TestOptions(const std::string& tls = "", bool prefer_copy_shm = true) {
+  UcxOptions o;
+  o.net_devices = "lo";
+  o.tls = tls;
+  o.prefer_copy_shm = prefer_copy_shm;
+  o.close_timeout = milliseconds(1000);
+  o.abandon_timeout = milliseconds(3000);
+  return o;
+}
+
+using Group = std::vector<std::unique_ptr<UcxTransport>>;
+
+// n connected transports (empty, with test failures, if that fails); rank r
+// uses options[r], or options[0] for all.
+Group Connected(int n, const std::vector<UcxOptions>& options) {
+  Group group;
+  std::vector<std::string> addresses;
+  for (int r = 0; r < n; ++r) {
+    auto t = UcxTransport::Create(options.size() == 1 ? options[0] : options.at(static_cast<size_t>(r)));
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    if (!t.ok()) return {};
+    addresses.push_back((*t)->address());
+    group.push_back(std::move(t).value());
+  }
+  std::vector<Status> results(static_cast<size_t>(n));
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back(
+        [&, r] { results[static_cast<size_t>(r)] = group[static_cast<size_t>(r)]->Connect(r, n, addresses, kWait); });
+  }
+  for (auto& th : threads) th.join();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
+        << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
+    if (!results[static_cast<size_t>(r)].ok()) return {};
+  }
+  return group;
+}
+
+Group Connected(int n, const UcxOptions& options) {
+  return Connected(n, std::vector<UcxOptions>{options});
+}
+
+std::vector<char> Pattern(size_t bytes, int seed) {
+  std::vector<char> v(bytes);
+  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<char>((i * 131 + static_cast<size_t>(seed) * 7919) % 251);
+  return v;
+}
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// ---------------------------------------------------------------------------
+// Options, addresses, Connect.
+
+TEST(UcxOptionsTest, BadOptionsNameTheOption) {
+  struct Case {
+    std::function<void(UcxOptions&)> set;
+    const char* option;
+  };
+  const std::vector<Case> cases = {
+      {[](UcxOptions& o) { o.tls = "posix,warp_drive"; }, "tls"},
+      {[](UcxOptions& o) { o.tls = "all,tcp"; }, "tls"},
+      {[](UcxOptions& o) { o.net_devices = "nosuchdev0"; }, "net_devices"},
+      {[](UcxOptions& o) { o.net_devices = "lo;rm"; }, "net_devices"},
+      {[](UcxOptions& o) { o.liveness_interval = milliseconds(0); }, "liveness_interval"},
+      {[](UcxOptions& o) { o.keepalive_interval = milliseconds(1); }, "keepalive_interval"},
+      {[](UcxOptions& o) { o.abandon_timeout = milliseconds(0); }, "abandon_timeout"},
+      {[](UcxOptions& o) { o.close_timeout = milliseconds(-1); }, "close_timeout"},
+      {[](UcxOptions& o) { o.hostname = "a b"; }, "hostname"},
+      {[](UcxOptions& o) { o.progress = static_cast<UcxProgressMode>(7); }, "progress"},
+  };
+  for (const auto& c : cases) {
+    UcxOptions o = TestOptions();
+    c.set(o);
+    auto t = UcxTransport::Create(o);
+    ASSERT_FALSE(t.ok()) << c.option;
+    EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status().ToString();
+    EXPECT_EQ(t.status().message().rfind(c.option, 0), 0u) << t.status().ToString();
+  }
+}
+
+TEST(UcxConnectTest, ChecksArgumentsAndAddresses) {
+  auto t = UcxTransport::Create(TestOptions());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  UcxTransport& u = **t;
+  EXPECT_FALSE(u.address().empty());
+  EXPECT_LE(u.address().size(), 4096u);  // the coordinator's Endpoint.address limit
+  EXPECT_EQ(u.rank(), -1);
+  char byte = 0;
+  EXPECT_EQ(u.Send(1, 0, &byte, 1)->Wait(milliseconds(0)).code(), StatusCode::kFailedPrecondition);
+
+  Status s = u.Connect(0, 2, {u.address(), "garbage"}, milliseconds(1000));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  // Connect is once only, even after a failure.
+  EXPECT_EQ(u.Connect(0, 1, {u.address()}, milliseconds(1000)).code(), StatusCode::kFailedPrecondition);
+
+  auto t2 = UcxTransport::Create(TestOptions());
+  ASSERT_TRUE(t2.ok());
+  EXPECT_EQ((*t2)->Connect(2, 2, {"", ""}, milliseconds(100)).code(), StatusCode::kInvalidArgument);
+  auto t3 = UcxTransport::Create(TestOptions());
+  ASSERT_TRUE(t3.ok());
+  EXPECT_EQ((*t3)->Connect(0, 3, {"", ""}, milliseconds(100)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(UcxConnectTest, SingleRankGroup) {
+  auto t = UcxTransport::Create(TestOptions());
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Connect(0, 1, {(*t)->address()}, milliseconds(1000)).ok());
+  EXPECT_EQ((*t)->size(), 1);
+  EXPECT_TRUE((*t)->PathSummary().empty());
+  char b = 0;
+  EXPECT_EQ((*t)->Send(0, 1, &b, 1)->Wait(milliseconds(0)).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(UcxConnectTest, HandshakeTimeoutNamesThePeer) {
+  // Rank 1 never connects: rank 0's handshake times out naming it.
+  auto a = UcxTransport::Create(TestOptions());
+  auto b = UcxTransport::Create(TestOptions());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const auto start = Clock::now();
+  Status s = (*a)->Connect(0, 2, {(*a)->address(), (*b)->address()}, milliseconds(300));
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  EXPECT_LT(Seconds(Clock::now() - start), 3.0);
+}
+
+TEST(UcxPathSummaryTest, DescribesSharedMemoryAndTcp) {
+  {
+    Group g = Connected(2, TestOptions());
+    ASSERT_EQ(g.size(), 2u);
+    const auto lines = g[0]->PathSummary();
+    ASSERT_EQ(lines.size(), 1u);
+    EXPECT_NE(lines[0].find("rank 0 -> rank 1"), std::string::npos) << lines[0];
+    EXPECT_NE(lines[0].find("(shared memory)"), std::string::npos) << lines[0];
+    EXPECT_NE(lines[0].find("at every size"), std::string::npos) << lines[0];  // eager through segments
+    EXPECT_NE(lines[0].find("pid check"), std::string::npos) << lines[0];
+    EXPECT_EQ(lines[0].find("tcp"), std::string::npos) << lines[0];
+  }
+  {
+    Group g = Connected(2, TestOptions("", /*prefer_copy_shm=*/false));
+    ASSERT_EQ(g.size(), 2u);
+    const auto line = g[1]->PathSummary().at(0);
+    EXPECT_NE(line.find("rank 1 -> rank 0"), std::string::npos) << line;
+    EXPECT_NE(line.find("cma/memory"), std::string::npos) << line;
+  }
+  {
+    Group g = Connected(2, TestOptions("tcp"));
+    ASSERT_EQ(g.size(), 2u);
+    const auto line = g[0]->PathSummary().at(0);
+    EXPECT_NE(line.find("tcp/lo (TCP)"), std::string::npos) << line;
+    EXPECT_NE(line.find("rendezvous"), std::string::npos) << line;
+    EXPECT_NE(line.find("UCX error handling"), std::string::npos) << line;
+  }
+}
+
+TEST(UcxPathSummaryTest, PeersOnOtherHostsUseTheNetworkWorker) {
+  // Rank 2 says it is on another host: ranks 0 and 1 share memory, and reach
+  // rank 2 over TCP with UCX's failure handling; one collective uses both.
+  std::vector<UcxOptions> options(3, TestOptions());
+  options[0].hostname = options[1].hostname = "node-a";
+  options[2].hostname = "node-b";
+  Group g = Connected(3, options);
+  ASSERT_EQ(g.size(), 3u);
+  const auto lines = g[0]->PathSummary();
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_NE(lines[0].find("rank 0 -> rank 1 (same host, shared memory)"), std::string::npos) << lines[0];
+  EXPECT_NE(lines[1].find("rank 0 -> rank 2 (host node-b)"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[1].find("tcp/lo (TCP)"), std::string::npos) << lines[1];
+  EXPECT_NE(lines[1].find("UCX error handling"), std::string::npos) << lines[1];
+  EXPECT_EQ(lines[1].find("pid check"), std::string::npos) << lines[1];  // not on this host
+
+  std::vector<Status> results(3);
+  std::vector<std::vector<int64_t>> data(3, std::vector<int64_t>(300000));
+  std::vector<std::thread> threads;
+  threads.reserve(3);
+  for (int r = 0; r < 3; ++r) {
+    threads.emplace_back([&, r] {
+      auto& d = data[static_cast<size_t>(r)];
+      std::iota(d.begin(), d.end(), int64_t{r});
+      collectives::CollectiveOptions o;
+      o.timeout = kWait;
+      results[static_cast<size_t>(r)] = collectives::AllReduce(
+          *g[static_cast<size_t>(r)], d.data(), d.size(), collectives::DType::kInt64, collectives::ReduceOp::kSum, o);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(results[static_cast<size_t>(r)].ok()) << results[static_cast<size_t>(r)].ToString();
+    for (size_t i = 0; i < data[0].size(); i += 997) {
+      ASSERT_EQ(data[static_cast<size_t>(r)][i], static_cast<int64_t>(3 * i + 3)) << "rank " << r << " element " << i;
+    }
+  }
+}
+
+TEST(UcxTagTest, TagsOutsideTheLayoutAreRejected) {
+  Group g = Connected(2, TestOptions());
+  ASSERT_EQ(g.size(), 2u);
+  char b = 0;
+  Status s = g[0]->Send(1, uint64_t{1} << 40, &b, 1)->Wait(milliseconds(0));
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_EQ(g[0]->Recv(1, uint64_t{1} << 62, &b, 1)->Wait(milliseconds(0)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(g[0]->Send(2, 0, &b, 1)->Wait(milliseconds(0)).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(g[0]->Send(0, 0, &b, 1)->Wait(milliseconds(0)).code(), StatusCode::kInvalidArgument);
+  // Bit 63 with the low 40 bits is fine, and distinct from the same low bits without it.
+  const uint64_t high = UcxTransport::kTagHighBit | UcxTransport::kMaxUserTag;
+  int x = 1, y = 2, rx = 0, ry = 0;
+  auto r1 = g[1]->Recv(0, high, &rx, sizeof(rx));
+  auto r2 = g[1]->Recv(0, UcxTransport::kMaxUserTag, &ry, sizeof(ry));
+  ASSERT_TRUE(g[0]->Send(1, UcxTransport::kMaxUserTag, &y, sizeof(y))->Wait(kWait).ok());
+  ASSERT_TRUE(g[0]->Send(1, high, &x, sizeof(x))->Wait(kWait).ok());
+  ASSERT_TRUE(r1->Wait(kWait).ok());
+  ASSERT_TRUE(r2->Wait(kWait).ok());
+  EXPECT_EQ(rx, 1);
+  EXPECT_EQ(ry, 2);
+}
+
+// ---------------------------------------------------------------------------
+// The semantics of transport.h on each path.
+
+struct PathConfig {
+  const char* name;
+  const char* tls;
+  bool prefer_copy_shm;
+};
+
+// Names the parameter in test listings (ctest shows it).
+void PrintTo(const PathConfig& config, std::ostream* os) {
+  *os << config.name;
+}
+
+class UcxPathTest : public ::testing::TestWithParam<PathConfig> {
+ protected:
+  UcxOptions Options() const { return TestOptions(GetParam().tls, GetParam().prefer_copy_shm); }
+};
+
+TEST_P(UcxPathTest, MessagesMatchInOrderPerSenderAndTag) {
+  Group g = Connected(3, Options());
+  ASSERT_EQ(g.size(), 3u);
+  constexpr int kCount = 120;
+  // Ranks 0 and 2 both send to rank 1 on tags 7 and 8, interleaved; every
+  // 40th message is large (rendezvous on TCP), so protocols mix within a tag.
+  auto size_of = [](int i) { return i % 40 == 39 ? size_t{300000} : sizeof(int64_t) * 4; };
+  std::vector<std::vector<char>> out, in;
+  std::vector<std::unique_ptr<Request>> sends, recvs;
+  std::vector<std::tuple<int, uint64_t, int, size_t>> expect;  // sender, tag, index, slot
+  // Receives for tag 8 first, then tag 7: matching is per tag.
+  for (uint64_t tag : {8, 7}) {
+    for (int sender : {0, 2}) {
+      for (int i = 0; i < kCount; ++i) {
+        in.emplace_back(size_of(i));
+        recvs.push_back(g[1]->Recv(sender, tag, in.back().data(), in.back().size()));
+        expect.emplace_back(sender, tag, i, in.size() - 1);
+      }
+    }
+  }
+  std::vector<std::thread> senders;
+  std::vector<std::vector<std::unique_ptr<Request>>> per_sender(3);
+  std::vector<std::vector<std::vector<char>>> buffers(3);
+  for (int sender : {0, 2}) {
+    senders.emplace_back([&, sender] {
+      auto& bufs = buffers[static_cast<size_t>(sender)];
+      bufs.reserve(size_t{2} * kCount);
+      for (int i = 0; i < kCount; ++i) {
+        for (uint64_t tag : {7, 8}) {
+          bufs.push_back(Pattern(size_of(i), sender * 1000 + static_cast<int>(tag) * 100 + i));
+          std::memcpy(bufs.back().data(), &i, sizeof(i));
+          per_sender[static_cast<size_t>(sender)].push_back(
+              g[static_cast<size_t>(sender)]->Send(1, tag, bufs.back().data(), bufs.back().size()));
+        }
+      }
+      for (auto& r : per_sender[static_cast<size_t>(sender)]) EXPECT_TRUE(r->Wait(kWait).ok());
+    });
+  }
+  for (auto& r : recvs) ASSERT_TRUE(r->Wait(kWait).ok());
+  for (auto& t : senders) t.join();
+  for (const auto& [sender, tag, i, slot] : expect) {
+    int got = -1;
+    std::memcpy(&got, in[slot].data(), sizeof(got));
+    ASSERT_EQ(got, i) << "sender " << sender << " tag " << tag;
+    auto want = Pattern(size_of(i), sender * 1000 + static_cast<int>(tag) * 100 + i);
+    ASSERT_EQ(std::memcmp(in[slot].data() + sizeof(int), want.data() + sizeof(int), want.size() - sizeof(int)), 0);
+  }
+}
+
+TEST_P(UcxPathTest, ManyConcurrentTagsFromManyThreads) {
+  constexpr int kRanks = 3;
+  constexpr int kTags = 48;
+  Group g = Connected(kRanks, Options());
+  ASSERT_EQ(g.size(), static_cast<size_t>(kRanks));
+  auto bytes_of = [](int tag) { return static_cast<size_t>((tag * 997) % 20000 + 1); };
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kRanks; ++r) {
+    // One thread receives (tags in reverse order), one sends.
+    threads.emplace_back([&, r] {
+      std::vector<std::vector<char>> bufs;
+      std::vector<std::unique_ptr<Request>> reqs;
+      std::vector<std::pair<int, int>> what;
+      bufs.reserve(static_cast<size_t>(kRanks) * kTags);
+      for (int tag = kTags - 1; tag >= 0; --tag) {
+        for (int p = 0; p < kRanks; ++p) {
+          if (p == r) continue;
+          bufs.emplace_back(bytes_of(tag));
+          reqs.push_back(
+              g[static_cast<size_t>(r)]->Recv(p, static_cast<uint64_t>(tag), bufs.back().data(), bufs.back().size()));
+          what.emplace_back(p, tag);
+        }
+      }
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        Status s = reqs[i]->Wait(kWait);
+        if (!s.ok() || bufs[i] != Pattern(bytes_of(what[i].second), what[i].first * 100 + r * 10000 + what[i].second)) {
+          ADD_FAILURE() << "rank " << r << " from " << what[i].first << " tag " << what[i].second << ": "
+                        << s.ToString();
+          ++failures;
+        }
+      }
+    });
+    threads.emplace_back([&, r] {
+      std::vector<std::vector<char>> bufs;
+      std::vector<std::unique_ptr<Request>> reqs;
+      bufs.reserve(static_cast<size_t>(kRanks) * kTags);
+      for (int tag = 0; tag < kTags; ++tag) {
+        for (int p = 0; p < kRanks; ++p) {
+          if (p == r) continue;
+          bufs.push_back(Pattern(bytes_of(tag), r * 100 + p * 10000 + tag));
+          reqs.push_back(
+              g[static_cast<size_t>(r)]->Send(p, static_cast<uint64_t>(tag), bufs.back().data(), bufs.back().size()));
+        }
+      }
+      for (auto& req : reqs) {
+        Status s = req->Wait(kWait);
+        if (!s.ok()) {
+          ADD_FAILURE() << s.ToString();
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_P(UcxPathTest, ZeroOneAndEightMebibyteMessages) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{8} << 20}) {
+    for (bool receive_first : {true, false}) {
+      SCOPED_TRACE(::testing::Message() << bytes << " bytes, receive posted " << (receive_first ? "first" : "later"));
+      const auto data = Pattern(bytes, static_cast<int>(bytes % 1000));
+      std::vector<char> got(bytes, 0);
+      std::unique_ptr<Request> recv;
+      if (receive_first) recv = g[1]->Recv(0, 42, bytes ? got.data() : nullptr, bytes);
+      auto send = g[0]->Send(1, 42, bytes ? data.data() : nullptr, bytes);
+      if (!receive_first) {
+        std::this_thread::sleep_for(milliseconds(20));  // the message arrives unexpected (or as a rendezvous offer)
+        recv = g[1]->Recv(0, 42, bytes ? got.data() : nullptr, bytes);
+      }
+      ASSERT_TRUE(recv->Wait(kWait).ok());
+      ASSERT_TRUE(send->Wait(kWait).ok());
+      EXPECT_TRUE(got == data);
+    }
+  }
+}
+
+TEST_P(UcxPathTest, SizeMismatchNamesBothSizes) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  const std::vector<std::pair<size_t, size_t>> cases = {{32, 16},
+                                                        {32, 64},
+                                                        {0, 8},
+                                                        {8, 0},
+                                                        {100000, 50000},
+                                                        {size_t{8} << 20, size_t{4} << 20},
+                                                        {size_t{4} << 20, size_t{8} << 20}};
+  uint64_t tag = 100;
+  for (const auto& [sent, expected] : cases) {
+    SCOPED_TRACE(::testing::Message() << "sent " << sent << ", expected " << expected);
+    const auto data = Pattern(sent, 1);
+    std::vector<char> got(expected);
+    auto recv = g[1]->Recv(0, tag, got.data(), expected);
+    auto send = g[0]->Send(1, tag, data.data(), sent);
+    Status s = recv->Wait(kWait);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find("rank 0 sent " + std::to_string(sent) + " bytes"), std::string::npos) << s.ToString();
+    EXPECT_NE(s.message().find("expected " + std::to_string(expected)), std::string::npos) << s.ToString();
+    EXPECT_TRUE(send->Wait(kWait).ok());
+    ++tag;
+  }
+  // The pair still works.
+  int v = 7, w = 0;
+  auto recv = g[1]->Recv(0, 1, &w, sizeof(w));
+  ASSERT_TRUE(g[0]->Send(1, 1, &v, sizeof(v))->Wait(kWait).ok());
+  ASSERT_TRUE(recv->Wait(kWait).ok());
+  EXPECT_EQ(w, 7);
+}
+
+TEST_P(UcxPathTest, WaitTimesOutNamingThePeerAndCanWaitAgain) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  int64_t got = 0;
+  auto recv = g[0]->Recv(1, 5, &got, sizeof(got));
+  const auto start = Clock::now();
+  Status s = recv->Wait(milliseconds(50));
+  EXPECT_GE(Seconds(Clock::now() - start), 0.045);
+  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  EXPECT_EQ(recv->Wait(milliseconds(10)).code(), StatusCode::kDeadlineExceeded);
+  const int64_t value = 0x1234567890;
+  ASSERT_TRUE(g[1]->Send(0, 5, &value, sizeof(value))->Wait(kWait).ok());
+  EXPECT_TRUE(recv->Wait(kWait).ok());
+  EXPECT_TRUE(recv->Wait(milliseconds(0)).ok());  // done stays done
+  EXPECT_EQ(got, value);
+}
+
+TEST_P(UcxPathTest, DroppedReceivesAreCancelled) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  const auto start = Clock::now();
+  for (size_t bytes : {size_t{64}, size_t{8} << 20}) {
+    auto buf = std::make_unique<char[]>(bytes);
+    auto recv = g[0]->Recv(1, 3, buf.get(), bytes);
+    recv.reset();  // cancelled: UCX no longer holds buf
+    buf.reset();
+  }
+  EXPECT_LT(Seconds(Clock::now() - start), 2.0);
+  // The message goes to the next receive, not to a dropped one.
+  const auto data = Pattern(64, 3);
+  std::vector<char> got(64);
+  auto send = g[1]->Send(0, 3, data.data(), data.size());
+  ASSERT_TRUE(g[0]->Recv(1, 3, got.data(), got.size())->Wait(kWait).ok());
+  EXPECT_TRUE(send->Wait(kWait).ok());
+  EXPECT_TRUE(got == data);
+}
+
+TEST_P(UcxPathTest, PeerThatClosesFailsPendingAndLaterOperations) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  // Data sent before the close is still delivered.
+  const int64_t last = 99;
+  ASSERT_TRUE(g[1]->Send(0, 4, &last, sizeof(last))->Wait(kWait).ok());
+  int64_t got = 0;
+  auto pending = g[0]->Recv(1, 9, &got, sizeof(got));
+  const auto start = Clock::now();
+  g[1].reset();
+  Status s = pending->Wait(kWait);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  EXPECT_LT(Seconds(Clock::now() - start), 3.0);
+  int64_t before = 0;
+  EXPECT_TRUE(g[0]->Recv(1, 4, &before, sizeof(before))->Wait(kWait).ok());
+  EXPECT_EQ(before, 99);
+  Status later = g[0]->Send(1, 9, &got, sizeof(got))->Wait(kWait);
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable) << later.ToString();
+  EXPECT_NE(later.message().find("rank 1"), std::string::npos) << later.ToString();
+  EXPECT_EQ(g[0]->Recv(1, 10, &got, sizeof(got))->Wait(kWait).code(), StatusCode::kUnavailable);
+}
+
+TEST_P(UcxPathTest, CpuCollectives) {
+  for (int n : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "world size " << n);
+    Group g = Connected(n, Options());
+    ASSERT_EQ(g.size(), static_cast<size_t>(n));
+    std::vector<Status> results(static_cast<size_t>(n) * 5);
+    std::vector<std::thread> threads;
+    threads.reserve(static_cast<size_t>(n));
+    for (int r = 0; r < n; ++r) {
+      threads.emplace_back([&, r] {
+        auto& t = *g[static_cast<size_t>(r)];
+        auto result = [&](int i) -> Status& { return results[static_cast<size_t>(r) * 5 + static_cast<size_t>(i)]; };
+        collectives::CollectiveOptions o;
+        o.timeout = kWait;
+        o.chunk_bytes = 256 << 10;
+        // Large all-reduce (ring) and small (recursive doubling).
+        for (size_t count : {size_t{1} << 20, size_t{5}}) {
+          std::vector<float> data(count);
+          for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>((r + 1) * (i % 100));
+          Status s = collectives::AllReduce(t, data.data(), count, collectives::DType::kFloat32,
+                                            collectives::ReduceOp::kSum, o);
+          const int sum_of_ranks = n * (n + 1) / 2;  // of (rank + 1) over the ranks
+          const auto ranks_sum = static_cast<float>(sum_of_ranks);
+          for (size_t i = 0; s.ok() && i < count; ++i) {
+            if (data[i] != ranks_sum * static_cast<float>(i % 100)) {
+              s = Internal("all-reduce element {} is {}, expected {}", i, data[i],
+                           ranks_sum * static_cast<float>(i % 100));
+            }
+          }
+          result(count == 5 ? 1 : 0) = s;
+          o.tag++;
+        }
+        {
+          const size_t count = 100000;
+          std::vector<int32_t> in(count, r), out(count * static_cast<size_t>(n), -1);
+          Status s = collectives::AllGather(t, in.data(), out.data(), count, collectives::DType::kInt32, o);
+          for (size_t i = 0; s.ok() && i < out.size(); ++i) {
+            if (out[i] != static_cast<int32_t>(i / count)) s = Internal("all-gather element {} is {}", i, out[i]);
+          }
+          result(2) = s;
+          o.tag++;
+        }
+        {
+          std::vector<int64_t> data(300000, r == n - 1 ? 42 : 0);
+          Status s = collectives::Broadcast(t, data.data(), data.size(), collectives::DType::kInt64, n - 1, o);
+          for (size_t i = 0; s.ok() && i < data.size(); ++i) {
+            if (data[i] != 42) s = Internal("broadcast element {} is {}", i, data[i]);
+          }
+          result(3) = s;
+          o.tag++;
+        }
+        result(4) = collectives::Barrier(t, o);
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (size_t i = 0; i < results.size(); ++i)
+      EXPECT_TRUE(results[i].ok()) << "rank " << i / 5 << " step " << i % 5 << ": " << results[i].ToString();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
+                         ::testing::Values(PathConfig{"SharedMemoryCopy", "", true},
+                                           PathConfig{"SharedMemoryCma", "", false}, PathConfig{"Tcp", "tcp", true}),
+                         [](const ::testing::TestParamInfo<PathConfig>& param_info) { return param_info.param.name; });
+
+// ---------------------------------------------------------------------------
+// Dropped sends on the network.
+
+TEST(UcxDropTest, DroppedNetworkSendThatThePeerNeverTakesFailsThePeer) {
+  UcxOptions o = TestOptions("tcp");
+  o.abandon_timeout = milliseconds(300);
+  Group g = Connected(2, o);
+  ASSERT_EQ(g.size(), 2u);
+  {
+    const auto big = Pattern(size_t{8} << 20, 5);  // rendezvous: waits for rank 1's receive
+    auto send = g[0]->Send(1, 77, big.data(), big.size());
+    EXPECT_EQ(send->Wait(milliseconds(50)).code(), StatusCode::kDeadlineExceeded);
+    const auto start = Clock::now();
+    send.reset();  // returns once UCX has let go of `big`
+    EXPECT_LT(Seconds(Clock::now() - start), 3.0);
+  }
+  char b = 0;
+  Status s = g[0]->Send(1, 1, &b, 1)->Wait(kWait);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("dropped"), std::string::npos) << s.ToString();
+}
+
+// ---------------------------------------------------------------------------
+// A peer process that is SIGKILLed.
+
+constexpr char kChildDirEnv[] = "TANDEM_UCX_TEST_CHILD_DIR";
+constexpr char kChildTlsEnv[] = "TANDEM_UCX_TEST_CHILD_TLS";
+
+bool WriteFileAtomically(const std::string& path, const std::string& contents) {
+  {
+    std::ofstream out(path + ".tmp", std::ios::binary);
+    out.write(contents.data(), static_cast<std::streamsize>(contents.size()));
+    if (!out) return false;
+  }
+  return std::rename((path + ".tmp").c_str(), path.c_str()) == 0;
+}
+
+std::string WaitForFile(const std::string& path, milliseconds timeout) {
+  const auto deadline = Clock::now() + timeout;
+  while (Clock::now() < deadline) {
+    if (std::filesystem::exists(path)) return testing::ReadFile(path);
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return "";
+}
+
+// Rank 1 of UcxPeerDeathTest, in a child process; skipped when run directly.
+TEST(UcxChild, Peer) {
+  const char* dir = std::getenv(kChildDirEnv);
+  if (dir == nullptr) GTEST_SKIP() << "runs only as the child process of UcxPeerDeathTest";
+  const char* tls = std::getenv(kChildTlsEnv);
+  auto t = UcxTransport::Create(TestOptions(tls != nullptr ? tls : ""));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  ASSERT_TRUE(WriteFileAtomically(std::string(dir) + "/child.addr", (*t)->address()));
+  const std::string parent = testing::ReadFile(std::string(dir) + "/parent.addr");
+  ASSERT_TRUE((*t)->Connect(1, 2, {parent, (*t)->address()}, kWait).ok());
+  const int ready = 1;
+  ASSERT_TRUE((*t)->Send(0, 1, &ready, sizeof(ready))->Wait(kWait).ok());
+  // Wait to be killed (bounded: the parent kills within seconds).
+  int never = 0;
+  (void)(*t)->Recv(0, 99, &never, sizeof(never))->Wait(seconds(30));
+}
+
+class UcxPeerDeathTest : public ::testing::TestWithParam<PathConfig> {};
+
+TEST_P(UcxPeerDeathTest, KilledPeerFailsPendingAndLaterOperationsNamingIt) {
+  testing::TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  auto t = UcxTransport::Create(TestOptions(GetParam().tls));
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  UcxTransport& u = **t;
+  ASSERT_TRUE(WriteFileAtomically(dir.path() + "/parent.addr", u.address()));
+
+  SpawnOptions spawn;
+  spawn.argv = {std::filesystem::read_symlink("/proc/self/exe").string(), "--gtest_filter=UcxChild.Peer"};
+  spawn.extra_env = {std::string(kChildDirEnv) + "=" + dir.path(), std::string(kChildTlsEnv) + "=" + GetParam().tls};
+  spawn.output_file = dir.path() + "/child.log";
+  auto child = Subprocess::Spawn(spawn);
+  ASSERT_TRUE(child.ok()) << child.status().ToString();
+
+  const std::string child_address = WaitForFile(dir.path() + "/child.addr", kWait);
+  ASSERT_FALSE(child_address.empty()) << testing::ReadFile(spawn.output_file);
+  ASSERT_TRUE(u.Connect(0, 2, {u.address(), child_address}, kWait).ok()) << testing::ReadFile(spawn.output_file);
+  int ready = 0;
+  ASSERT_TRUE(u.Recv(1, 1, &ready, sizeof(ready))->Wait(kWait).ok());
+  const auto lines = u.PathSummary();
+  ASSERT_EQ(lines.size(), 1u);
+  EXPECT_NE(lines[0].find(std::string(GetParam().tls).empty() ? "pid check" : "UCX error handling"), std::string::npos)
+      << lines[0];
+
+  int64_t got = 0;
+  auto pending = u.Recv(1, 5, &got, sizeof(got));
+  const auto big = Pattern(size_t{8} << 20, 9);
+  auto pending_send = u.Send(1, 6, big.data(), big.size());  // not received by the child
+  ASSERT_TRUE((*child)->Signal(SIGKILL).ok());               // left unreaped for now: a zombie
+  const auto start = Clock::now();
+  Status s = pending->Wait(kWait);
+  const double elapsed = Seconds(Clock::now() - start);
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
+  EXPECT_LT(elapsed, 1.5) << s.ToString();
+  std::printf("peer death (%s) detected after %.0f ms: %s\n", GetParam().name, elapsed * 1000, s.message().c_str());
+  Status sent = pending_send->Wait(kWait);  // completed before the kill (eager) or failed with the peer
+  EXPECT_TRUE(sent.ok() || sent.code() == StatusCode::kUnavailable) << sent.ToString();
+  Status later = u.Send(1, 7, &got, sizeof(got))->Wait(kWait);
+  EXPECT_EQ(later.code(), StatusCode::kUnavailable) << later.ToString();
+  EXPECT_NE(later.message().find("rank 1"), std::string::npos) << later.ToString();
+  EXPECT_EQ(u.Recv(1, 8, &got, sizeof(got))->Wait(kWait).code(), StatusCode::kUnavailable);
+  auto exit = (*child)->Wait(kWait);
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->signal, SIGKILL);
+}
+
+INSTANTIATE_TEST_SUITE_P(Paths, UcxPeerDeathTest,
+                         ::testing::Values(PathConfig{"SharedMemory", "", true}, PathConfig{"Tcp", "tcp", true}),
+                         [](const ::testing::TestParamInfo<PathConfig>& param_info) { return param_info.param.name; });
+
+// ---------------------------------------------------------------------------
+// Bandwidth of large messages, copy through segments versus cma (manual).
+
+TEST(UcxBench, CopyVersusCma) {
+  if (std::getenv("TANDEM_UCX_BENCH") == nullptr) GTEST_SKIP() << "set TANDEM_UCX_BENCH=1 to run";
+  for (size_t bytes : {size_t{16} << 20, size_t{64} << 20}) {
+    for (int rep = 0; rep < 3; ++rep) {
+      for (bool copy : {true, false}) {
+        UcxOptions o = TestOptions("", copy);
+        if (std::getenv("TANDEM_UCX_BENCH_BUSY") != nullptr) o.progress = UcxProgressMode::kBusyPoll;
+        Group g = Connected(2, o);
+        ASSERT_EQ(g.size(), 2u);
+        std::vector<char> a(bytes, 1), b(bytes, 2);
+        const int iters = bytes > (32u << 20) ? 10 : 30;
+        auto pingpong = [&](int n) {
+          for (int i = 0; i < n; ++i) {
+            auto r1 = g[1]->Recv(0, 1, b.data(), bytes);
+            ASSERT_TRUE(g[0]->Send(1, 1, a.data(), bytes)->Wait(kWait).ok());
+            ASSERT_TRUE(r1->Wait(kWait).ok());
+            auto r0 = g[0]->Recv(1, 2, a.data(), bytes);
+            ASSERT_TRUE(g[1]->Send(0, 2, b.data(), bytes)->Wait(kWait).ok());
+            ASSERT_TRUE(r0->Wait(kWait).ok());
+          }
+        };
+        pingpong(2);  // warm-up
+        const auto start = Clock::now();
+        pingpong(iters);
+        const double gbps = 2.0 * iters * static_cast<double>(bytes) / Seconds(Clock::now() - start) / 1e9;
+        std::printf("ucx bench: %3zu MiB %-22s %6.2f GB/s  [%s]\n", bytes >> 20,
+                    copy ? "copy (posix/sysv)" : "single-copy (cma)", gbps, g[0]->PathSummary().at(0).c_str());
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem::transport

@@ -1,0 +1,237 @@
+#include "worker/comm/communicator.h"
+
+#include <algorithm>
+#include <future>
+#include <utility>
+
+#include <fmt/format.h>
+
+namespace tandem::comm {
+
+const char* KindName(Kind kind) {
+  switch (kind) {
+    case Kind::kAllReduce:
+      return "allreduce";
+    case Kind::kReduceScatter:
+      return "reduce_scatter";
+    case Kind::kAllGather:
+      return "all_gather";
+    case Kind::kBroadcast:
+      return "broadcast";
+    case Kind::kReduce:
+      return "reduce";
+    case Kind::kBarrier:
+      return "barrier";
+    case Kind::kSend:
+      return "send";
+    case Kind::kRecv:
+      return "recv";
+  }
+  return "collective";
+}
+
+std::string DescribeCollective(Kind kind, uint64_t seq, uint64_t count, DType dtype, ReduceOp op, int root) {
+  const auto type = collectives::Name(dtype);
+  const auto op_name = collectives::Name(op);
+  switch (kind) {
+    case Kind::kBarrier:
+      return fmt::format("barrier seq {}", seq);
+    case Kind::kAllGather:
+      return fmt::format("all_gather seq {} of {} {} elements", seq, count, type);
+    case Kind::kBroadcast:
+      return fmt::format("broadcast seq {} of {} {} elements from root {}", seq, count, type, root);
+    case Kind::kReduce:
+      return fmt::format("reduce seq {} of {} {} elements (op {}) to root {}", seq, count, type, op_name, root);
+    default:
+      return fmt::format("{} seq {} of {} {} elements (op {})", KindName(kind), seq, count, type, op_name);
+  }
+}
+
+size_t BlockOffset(size_t count, int size, int block) {
+  const size_t base = count / static_cast<size_t>(size);
+  const size_t extra = count % static_cast<size_t>(size);
+  const auto b = static_cast<size_t>(block);
+  return b * base + std::min(b, extra);
+}
+
+size_t BlockCount(size_t count, int size, int block) {
+  return BlockOffset(count, size, block + 1) - BlockOffset(count, size, block);
+}
+
+Communicator::Communicator(CommInfo info) : info_(std::move(info)) {}
+
+Status Communicator::health() const {
+  std::lock_guard lock(mu_);
+  return broken_;
+}
+
+Status Communicator::AbortStatus() const {
+  return health();
+}
+
+void Communicator::Abort(const std::string& reason) {
+  {
+    std::lock_guard lock(mu_);
+    if (aborted_.load()) return;
+    if (broken_.ok()) {
+      broken_ = Aborted("communicator \"{}\" of epoch {} was aborted: {}", info_.name, info_.epoch, reason);
+    }
+    aborted_.store(true, std::memory_order_release);
+  }
+  OnAbort();
+}
+
+Progress Communicator::progress() const {
+  Progress p;
+  p.communicator = info_.name;
+  p.last_entered = entered_.load();
+  p.last_completed = completed_.load();
+  const auto kind = last_kind_.load();
+  if (kind != 0) p.last_kind = KindName(static_cast<Kind>(kind));
+  return p;
+}
+
+Status Communicator::Begin(Kind kind, uint64_t* seq) {
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_.ok()) return broken_;
+  }
+  last_kind_.store(static_cast<uint8_t>(kind));
+  *seq = entered_.fetch_add(1) + 1;
+  return Status::Ok();
+}
+
+Status Communicator::Finish(Status status, bool numbered) {
+  if (status.ok()) {
+    if (numbered) completed_.fetch_add(1);
+    return status;
+  }
+  std::lock_guard lock(mu_);
+  // An abort that raced the failure explains it better than the symptom.
+  if (!broken_.ok()) return broken_;
+  broken_ = status;
+  return status;
+}
+
+namespace {
+
+Status CheckBuffer(const void* p, size_t count, const char* what) {
+  if (count > 0 && p == nullptr) return InvalidArgument("{} is null but count is {}", what, count);
+  return Status::Ok();
+}
+
+Status CheckRoot(int root, int size, const char* what) {
+  if (root < 0 || root >= size) return InvalidArgument("{} {} is not a rank of a group of {}", what, root, size);
+  return Status::Ok();
+}
+
+Status CheckOp(DType dtype, ReduceOp op) {
+  if (static_cast<int>(dtype) > static_cast<int>(DType::kInt64)) {
+    return InvalidArgument("unknown dtype {}", static_cast<int>(dtype));
+  }
+  if (static_cast<int>(op) > static_cast<int>(ReduceOp::kMax)) {
+    return InvalidArgument("unknown reduction op {}", static_cast<int>(op));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+#define TANDEM_COMM_RUN(kind, call)            \
+  do {                                         \
+    uint64_t seq = 0;                          \
+    TANDEM_RETURN_IF_ERROR(Begin(kind, &seq)); \
+    return Finish(call, true);                 \
+  } while (false)
+
+Status Communicator::AllReduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, op));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "allreduce input"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "allreduce output"));
+  TANDEM_COMM_RUN(Kind::kAllReduce, DoAllReduce(seq, in, out, count, dtype, op));
+}
+
+Status Communicator::ReduceScatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, op));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "reduce_scatter input"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "reduce_scatter output"));
+  TANDEM_COMM_RUN(Kind::kReduceScatter, DoReduceScatter(seq, in, out, count, dtype, op));
+}
+
+Status Communicator::AllGather(const void* in, void* out, size_t count, DType dtype) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "all_gather input"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "all_gather output"));
+  TANDEM_COMM_RUN(Kind::kAllGather, DoAllGather(seq, in, out, count, dtype));
+}
+
+Status Communicator::Broadcast(void* data, size_t count, DType dtype, int root) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(root, size(), "broadcast root"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "broadcast buffer"));
+  TANDEM_COMM_RUN(Kind::kBroadcast, DoBroadcast(seq, data, count, dtype, root));
+}
+
+Status Communicator::Reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, op));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(root, size(), "reduce root"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "reduce input"));
+  if (rank() == root) TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "reduce output"));
+  TANDEM_COMM_RUN(Kind::kReduce, DoReduce(seq, in, out, count, dtype, op, root));
+}
+
+Status Communicator::Barrier() {
+  TANDEM_COMM_RUN(Kind::kBarrier, DoBarrier(seq));
+}
+
+Status Communicator::Send(int peer, const void* data, size_t count, DType dtype) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(peer, size(), "send peer"));
+  if (peer == rank()) return InvalidArgument("rank {} cannot send to itself", peer);
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "send buffer"));
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_.ok()) return broken_;
+  }
+  last_kind_.store(static_cast<uint8_t>(Kind::kSend));
+  return Finish(DoSend(peer, data, count * collectives::SizeOf(dtype)), false);
+}
+
+Status Communicator::Recv(int peer, void* data, size_t count, DType dtype) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(peer, size(), "recv peer"));
+  if (peer == rank()) return InvalidArgument("rank {} cannot receive from itself", peer);
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "recv buffer"));
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_.ok()) return broken_;
+  }
+  last_kind_.store(static_cast<uint8_t>(Kind::kRecv));
+  return Finish(DoRecv(peer, data, count * collectives::SizeOf(dtype)), false);
+}
+
+Status Communicator::SendRecv(int to, const void* send, int from, void* recv, size_t count, DType dtype) {
+  TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(to, size(), "sendrecv destination"));
+  TANDEM_RETURN_IF_ERROR(CheckRoot(from, size(), "sendrecv source"));
+  if (to == rank() || from == rank()) return InvalidArgument("rank {} cannot send to or receive from itself", rank());
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(send, count, "sendrecv send buffer"));
+  TANDEM_RETURN_IF_ERROR(CheckBuffer(recv, count, "sendrecv receive buffer"));
+  {
+    std::lock_guard lock(mu_);
+    if (!broken_.ok()) return broken_;
+  }
+  last_kind_.store(static_cast<uint8_t>(Kind::kSend));
+  return Finish(DoSendRecv(to, send, from, recv, count * collectives::SizeOf(dtype)), false);
+}
+
+Status Communicator::DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) {
+  auto sent = std::async(std::launch::async, [&] { return DoSend(to, send, bytes); });
+  Status received = DoRecv(from, recv, bytes);
+  Status s = sent.get();
+  return received.ok() ? s : received;
+}
+
+#undef TANDEM_COMM_RUN
+
+}  // namespace tandem::comm

@@ -1,0 +1,76 @@
+// A worker's data plane: the communicators of each membership epoch.
+//
+// For every epoch the worker is part of, before it acknowledges the epoch,
+// the data plane aborts the previous epoch's communicators (operations in
+// flight fail at once with "epoch N was superseded by epoch M"), builds the
+// new ones (comm::CommManager: world, node, dp, tp, pp), exchanging what the
+// backends need through the coordinator's epoch values, and checks them with
+// a barrier and a small allreduce over the world communicator. A failure is
+// reported in the acknowledgement, so the coordinator re-forms without this
+// worker instead of training on a broken mesh.
+//
+// Backends by group: `auto` uses shared memory for a group whose members all
+// run on this node and the UCX transport for a group that spans nodes; `shm`
+// and `ucx` force one; `off` builds nothing (a worker without a data plane,
+// for control-plane tests).
+//
+// Heartbeats carry every communicator's collective sequence numbers, so the
+// coordinator (and `tandem status`) can name the ranks that never entered a
+// collective the others wait in.
+//
+// Thread safety: the hooks run on the member session's threads; Stop() from
+// the daemon's shutdown path.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "common/coordinator_link.h"
+#include "common/daemon.h"
+#include "worker/comm/comm_manager.h"
+#include "worker/comm/factory.h"
+
+namespace tandem::worker {
+
+struct DataPlaneConfig {
+  std::string backend = "auto";              // auto | shm | ucx | off
+  std::chrono::milliseconds timeout{30000};  // longest wait on a peer, building included
+  bool self_check = true;                    // barrier + allreduce on every new world communicator
+  comm::BackendOptions backend_options;
+};
+
+void DeclareDataPlaneOptions(OptionSet& options, DataPlaneConfig* config);
+
+class DataPlane {
+ public:
+  DataPlane(const DataPlaneConfig& config, Daemon& daemon);
+  ~DataPlane();
+
+  // Fills the member hooks: a full peer view, the epoch callback, the
+  // heartbeat progress, and this worker's data-plane endpoints.
+  Status Hook(MemberHooks* hooks);
+  // Aborts the communicators (shutdown).
+  void Stop();
+
+  comm::CommManager& manager() { return *manager_; }
+
+ private:
+  Status OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session);
+  Result<std::unique_ptr<comm::Communicator>> Make(const comm::CommInfo& info, const std::vector<int>& global_ranks,
+                                                   comm::Rendezvous& rendezvous);
+  Status SelfCheck();
+
+  const DataPlaneConfig config_;
+  std::unique_ptr<comm::CommManager> manager_;
+  std::mutex mu_;
+  v1::MembershipEpoch epoch_;  // the epoch being built (the factory reads node placement from it)
+  uint64_t member_id_ = 0;
+  std::atomic<bool> stopping_{false};
+  struct Metrics;
+  std::unique_ptr<Metrics> metrics_;
+};
+
+}  // namespace tandem::worker
