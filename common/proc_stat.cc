@@ -1,7 +1,9 @@
 #include "common/proc_stat.h"
 
+#include <signal.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -10,7 +12,7 @@
 namespace tandem {
 namespace {
 
-double BootTime() {
+double ReadBootTime() {
   std::ifstream proc_stat("/proc/stat");
   for (std::string key; proc_stat >> key;) {
     if (key == "btime") {
@@ -20,6 +22,11 @@ double BootTime() {
     }
   }
   return 0;
+}
+
+double BootTime() {
+  static const double boot = ReadBootTime();
+  return boot;
 }
 
 }  // namespace
@@ -32,7 +39,11 @@ std::optional<ProcStat> ReadProcStat(pid_t pid) {
   if (paren == std::string::npos || paren + 2 > stat.size()) return std::nullopt;
   std::istringstream fields(stat.substr(paren + 2));
   std::vector<double> f;  // f[0] is field 3 (the state, read as 0); field N is f[N - 3]
-  for (std::string s; fields >> s;) f.push_back(std::strtod(s.c_str(), nullptr));
+  std::string state;
+  for (std::string s; fields >> s;) {
+    if (f.empty()) state = s;
+    f.push_back(std::strtod(s.c_str(), nullptr));
+  }
   if (f.size() < 22) return std::nullopt;
   const double ticks = static_cast<double>(sysconf(_SC_CLK_TCK));
   ProcStat out;
@@ -41,7 +52,20 @@ std::optional<ProcStat> ReadProcStat(pid_t pid) {
   out.start_unix_seconds = BootTime() + f[19] / ticks;                      // starttime
   out.virtual_bytes = f[20];                                                // vsize
   out.resident_bytes = f[21] * static_cast<double>(sysconf(_SC_PAGESIZE));  // rss pages
+  out.state = state.empty() ? '?' : state[0];
+  out.start_ticks = static_cast<uint64_t>(f[19]);  // exact: start ticks fit a double's 53 bits
   return out;
+}
+
+std::string ProcessGone(pid_t pid, uint64_t start_ticks) {
+  const auto stat = ReadProcStat(pid);
+  if (!stat) {
+    if (kill(pid, 0) == 0 || errno == EPERM) return "";  // alive, /proc unreadable
+    return "exited";
+  }
+  if (stat->state == 'Z' || stat->state == 'X') return "was killed or exited (zombie)";
+  if (start_ticks != 0 && stat->start_ticks != start_ticks) return "exited (the pid now belongs to another process)";
+  return "";
 }
 
 }  // namespace tandem

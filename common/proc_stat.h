@@ -7,7 +7,9 @@
 
 #include <sys/types.h>
 
+#include <cstdint>
 #include <optional>
+#include <string>
 
 namespace tandem {
 
@@ -17,9 +19,17 @@ struct ProcStat {
   double virtual_bytes = 0;
   double threads = 0;
   double start_unix_seconds = 0;  // boot time + start ticks (one-second resolution)
+  char state = '?';               // R, S, D, Z (zombie), X (dead), ...
+  uint64_t start_ticks = 0;       // start time in clock ticks since boot: with the pid, names one process
 };
 
 // `pid` 0 means this process. Empty if the process is gone or /proc is unreadable.
 std::optional<ProcStat> ReadProcStat(pid_t pid = 0);
+
+// Why process `pid`, started at `start_ticks` (0: unknown), is no longer
+// running: "exited", "was killed or exited (zombie)", "exited (the pid now
+// belongs to another process)"; empty while it runs. A killed child its
+// parent has not reaped yet counts as gone.
+std::string ProcessGone(pid_t pid, uint64_t start_ticks);
 
 }  // namespace tandem

@@ -12,15 +12,14 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <functional>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "common/proc_stat.h"
 #include "worker/collectives/kernels.h"
 
 namespace tandem::comm {
@@ -114,22 +113,6 @@ Layout LayoutFor(int size, size_t round_bytes, size_t p2p_slot_bytes) {
   l.slots = AlignUp(l.p2p + n * n * 2 * p2p_slot_bytes, 4096);
   l.total = l.slots + n * kSets * 2 * round_bytes;
   return l;
-}
-
-// /proc/<pid>/stat: state (field 3) and start time (field 22).
-bool ReadState(pid_t pid, char* state, uint64_t* start_ticks) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
-  std::string line;
-  if (!std::getline(in, line)) return false;
-  const auto close = line.rfind(')');
-  if (close == std::string::npos) return false;
-  std::istringstream rest(line.substr(close + 2));
-  std::string field;
-  for (int i = 3; i <= 22 && rest >> field; ++i) {
-    if (i == 3) *state = field.empty() ? '?' : field[0];
-    if (i == 22) *start_ticks = std::strtoull(field.c_str(), nullptr, 10);
-  }
-  return true;
 }
 
 void CpuRelax() {
@@ -332,10 +315,8 @@ Result<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(CommInfo info, 
   }
   RankControl* me = segment->control(info.rank);
   me->pid = static_cast<int32_t>(::getpid());
-  char state = '?';
-  uint64_t start = 0;
-  ReadState(::getpid(), &state, &start);
-  me->start_ticks = start;
+  const auto self = ReadProcStat();
+  me->start_ticks = self ? self->start_ticks : 0;
   me->state.store(static_cast<uint32_t>(RankState::kAlive), std::memory_order_release);
   segment->header()->attached.fetch_add(1, std::memory_order_acq_rel);
 
@@ -542,10 +523,7 @@ Status ShmCommunicator::WaitFor(const Op& op, const std::function<bool()>& ready
       for (int j : waiting_on()) {
         RankControl* c = segment_->control(j);
         const auto state = static_cast<RankState>(c->state.load(std::memory_order_acquire));
-        char pstate = '?';
-        uint64_t start_ticks = 0;
-        const bool alive = state == RankState::kAlive && ReadState(c->pid, &pstate, &start_ticks) && pstate != 'Z' &&
-                           pstate != 'X' && start_ticks == c->start_ticks;
+        const bool alive = state == RankState::kAlive && ProcessGone(c->pid, c->start_ticks).empty();
         if (!alive && !ready()) {
           return Fail(Unavailable("communicator \"{}\" (epoch {}): rank {} {} during {} (seen from rank {})", name(),
                                   epoch(), j, state == RankState::kClosed ? "closed the communicator" : "died", what(),

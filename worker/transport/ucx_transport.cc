@@ -31,6 +31,7 @@
 #include <ucs/debug/log_def.h>
 
 #include "common/logging.h"
+#include "common/proc_stat.h"
 #include "common/thread_annotations.h"
 
 namespace tandem::transport {
@@ -134,40 +135,10 @@ std::string Trim(std::string s) {
   return s.substr(i);
 }
 
-struct ProcState {
-  char state = '?';          // R, S, D, Z, X, ...
-  uint64_t start_ticks = 0;  // field 22 of /proc/<pid>/stat
-};
-
-// Empty if /proc/<pid>/stat cannot be read (the process is gone, or /proc is not there).
-std::optional<ProcState> ReadProcState(const std::string& pid) {
-  const std::string stat = ReadSmallFile("/proc/" + pid + "/stat");
-  const size_t paren = stat.rfind(')');  // the command name (field 2) may hold spaces
-  if (paren == std::string::npos || paren + 2 >= stat.size()) return std::nullopt;
-  std::istringstream fields(stat.substr(paren + 2));
-  std::vector<std::string> f;  // f[0] is field 3
-  for (std::string s; fields >> s;) f.push_back(s);
-  if (f.size() < 20) return std::nullopt;
-  ProcState out;
-  out.state = f[0].empty() ? '?' : f[0][0];
-  out.start_ticks = std::strtoull(f[19].c_str(), nullptr, 10);
-  return out;
-}
-
 // Why process `pid` (started at `start_ticks`) is no longer the peer, or empty while it is alive.
 std::string ProcessGone(uint32_t pid, uint64_t start_ticks, const std::string& host) {
-  const auto state = ReadProcState(std::to_string(pid));
-  if (!state) {
-    if (kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) return "";  // alive, /proc unreadable
-    return fmt::format("its process {} on {} exited", pid, host);
-  }
-  if (state->state == 'Z' || state->state == 'X') {
-    return fmt::format("its process {} on {} was killed or exited (zombie)", pid, host);
-  }
-  if (start_ticks != 0 && state->start_ticks != start_ticks) {
-    return fmt::format("its process {} on {} exited (the pid now belongs to another process)", pid, host);
-  }
-  return "";
+  const std::string why = tandem::ProcessGone(static_cast<pid_t>(pid), start_ticks);
+  return why.empty() ? "" : fmt::format("its process {} on {} {}", pid, host, why);
 }
 
 // What a rank publishes: who it is and its UCX worker addresses.
@@ -831,7 +802,7 @@ Status UcxTransport::Core::Init() {
   InstallLogHandler();
 
   self_.pid = static_cast<uint32_t>(getpid());
-  if (const auto state = ReadProcState("self")) self_.start_ticks = state->start_ticks;
+  if (const auto stat = ReadProcStat()) self_.start_ticks = stat->start_ticks;
   struct stat ns {};
   if (stat("/proc/self/ns/pid", &ns) == 0) self_.pid_namespace = static_cast<uint64_t>(ns.st_ino);
   self_.boot_id = Trim(ReadSmallFile("/proc/sys/kernel/random/boot_id"));
