@@ -139,6 +139,7 @@ class ShmCommunicator : public Communicator {
   uint64_t step_ = 0;               // the last step this rank began; the same on every rank
   std::vector<uint64_t> sent_;      // chunks sent to each peer
   std::vector<uint64_t> received_;  // chunks received from each peer
+  const bool oversubscribed_;       // fewer usable cores than ranks
   const std::chrono::nanoseconds spin_limit_;
   std::chrono::nanoseconds spin_budget_;  // adapts between 0 and spin_limit_
 };
