@@ -5,7 +5,8 @@
 # gloo), then measures the baselines of ../shared/baselines (memory bandwidth,
 # Open MPI MPI_Allreduce, torch.distributed gloo, ucx_perftest) on this machine
 # into BUILD_DIR/bench/baselines/RESULTS.md, then Tandem's own benchmarks
-# (today: the coordinator) into BUILD_DIR/bench/ (see docs/benchmarks.md).
+# (the coordinator, the collectives) into BUILD_DIR/bench/, and prints the
+# collectives beside the baselines with their ratios (see docs/benchmarks.md).
 #
 # Usage: scripts/bench.sh [BUILD_DIR]
 set -euo pipefail
@@ -45,5 +46,14 @@ echo "bench: coordinator (docs/benchmarks.md)"
   "$BUILD_DIR/bin/tandem" bench coordinator --workers 65 --kill 1 --json
 } | tee "$OUT/coordinator.jsonl"
 echo "bench: coordinator results in $OUT/coordinator.jsonl"
-echo "bench: Tandem's collective, parameter-server and training benchmarks are not built yet;"
-echo "       they will run here, beside these baselines, as they land."
+
+echo
+echo "bench: collectives (docs/benchmarks.md): allreduce, float32 sum, 2 and 4 processes"
+{
+  "$BUILD_DIR/bin/tandem" bench allreduce --np 2 --min-bytes 8 --max-bytes 256MiB --iters 20 --warmup 5 --json
+  "$BUILD_DIR/bin/tandem" bench allreduce --np 4 --min-bytes 4KiB --max-bytes 64MiB --factor 4 --iters 20 --warmup 5 --json
+} | tee "$OUT/allreduce.jsonl"
+echo
+echo "bench: Tandem beside the baselines of this run"
+python3 scripts/bench_compare.py "$OUT/baselines/raw-results.txt" "$OUT/allreduce.jsonl" "$OUT/allreduce.md"
+echo "bench: written to $OUT/allreduce.md"
