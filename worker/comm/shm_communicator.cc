@@ -482,11 +482,6 @@ Status ShmCommunicator::WaitAll(const Op& op, Counter which, uint64_t t, int onl
       [&] { return Laggards(op, which, t, only_rank); });
 }
 
-Status ShmCommunicator::WaitUntil(const Op& op, int peer, const std::function<bool()>& ready, const char* what) {
-  return WaitFor(
-      op, ready, [&] { return std::vector<int>{peer}; }, [&] { return fmt::format("rank {} did not {}", peer, what); });
-}
-
 Status ShmCommunicator::WaitFor(const Op& op, const std::function<bool()>& ready,
                                 const std::function<std::vector<int>()>& waiting_on,
                                 const std::function<std::string()>& explain) {
@@ -808,7 +803,10 @@ Status ShmCommunicator::DoBroadcast(uint64_t seq, void* data, size_t count, DTyp
   const size_t element = collectives::SizeOf(dtype);
   auto* bytes = static_cast<char*>(data);
   const bool stream = Streaming(count * element);
-  const size_t round_count = options_.round_bytes / element;
+  // Rounds of at most an eighth of the message (at least 64 KiB), so the
+  // others copy out round k while the root copies in round k + 1.
+  const size_t round_count =
+      std::max<size_t>(1, std::min(options_.round_bytes, std::max<size_t>(64 << 10, count * element / 8)) / element);
   size_t base = 0;
   do {
     const size_t e = std::min(round_count, count - base);
@@ -834,58 +832,107 @@ Status ShmCommunicator::DoBroadcast(uint64_t seq, void* data, size_t count, DTyp
 // so a receiver that expects another size fails (and tells the sender)
 // instead of reading garbage.
 
-Status ShmCommunicator::DoSend(int peer, const void* data, size_t bytes) {
-  ChannelControl* ch = segment_->channel(rank(), peer);
-  const auto* src = static_cast<const char*>(data);
+// A message is max(1, ceil(bytes / slot)) chunks (an empty message is one
+// empty chunk). The Try* steps move one chunk if they can and say whether
+// they did; errors (a size mismatch) are returned as such.
+size_t ShmCommunicator::ChunksOf(size_t bytes) const {
   const size_t slot = segment_->p2p_slot_bytes;
-  const Op op{Kind::kSend, 0, bytes, DType::kInt32, ReduceOp::kSum, peer};
-  size_t done = 0;
-  do {
-    const size_t chunk = std::min(slot, bytes - done);
-    const uint64_t k = sent_[static_cast<size_t>(peer)];
-    // Wait for a free slot: the receiver has read chunk k - 2.
-    auto free_slot = [&] { return ch->tail.value.load(std::memory_order_acquire) + 2 > k; };
-    if (!free_slot()) {
-      TANDEM_RETURN_IF_ERROR(WaitUntil(op, peer, free_slot, "read the previous chunks"));
-    }
-    if (const uint64_t m = ch->mismatch.value.load(std::memory_order_acquire); m != 0) {
-      return Fail(InvalidArgument("communicator \"{}\": rank {} sends {} bytes to rank {}, which expects {} bytes",
-                                  name(), rank(), bytes, peer, m - 1));
-    }
-    if (chunk > 0) std::memcpy(segment_->channel_slot(rank(), peer, k), src + done, chunk);
-    ch->slots[k % 2].total = bytes;
-    ch->slots[k % 2].bytes = chunk;
-    ch->head.value.store(k + 1, std::memory_order_release);
+  return std::max<size_t>(1, (bytes + slot - 1) / slot);
+}
+
+Result<bool> ShmCommunicator::TrySendChunk(int peer, const char* src, size_t bytes, size_t index) {
+  ChannelControl* ch = segment_->channel(rank(), peer);
+  const uint64_t k = sent_[static_cast<size_t>(peer)];
+  if (const uint64_t m = ch->mismatch.value.load(std::memory_order_acquire); m != 0) {
+    return Fail(InvalidArgument("communicator \"{}\": rank {} sends {} bytes to rank {}, which expects {} bytes",
+                                name(), rank(), bytes, peer, m - 1));
+  }
+  if (ch->tail.value.load(std::memory_order_acquire) + 2 <= k) return false;  // both slots in use
+  const size_t slot = segment_->p2p_slot_bytes;
+  const size_t offset = index * slot;
+  const size_t chunk = std::min(slot, bytes - offset);
+  if (chunk > 0) std::memcpy(segment_->channel_slot(rank(), peer, k), src + offset, chunk);
+  ch->slots[k % 2].total = bytes;
+  ch->slots[k % 2].bytes = chunk;
+  ch->head.value.store(k + 1, std::memory_order_release);
+  Ring();
+  sent_[static_cast<size_t>(peer)] = k + 1;
+  return true;
+}
+
+Result<bool> ShmCommunicator::TryRecvChunk(int peer, char* dst, size_t bytes, size_t index) {
+  ChannelControl* ch = segment_->channel(peer, rank());
+  const uint64_t k = received_[static_cast<size_t>(peer)];
+  if (ch->head.value.load(std::memory_order_acquire) <= k) return false;  // nothing yet
+  const size_t offset = index * segment_->p2p_slot_bytes;
+  const uint64_t total = ch->slots[k % 2].total;
+  const uint64_t chunk = ch->slots[k % 2].bytes;
+  if (total != bytes || chunk > bytes - offset) {
+    ch->mismatch.value.store(bytes + 1, std::memory_order_release);
     Ring();
-    sent_[static_cast<size_t>(peer)] = k + 1;
-    done += chunk;
-  } while (done < bytes);
-  return Status::Ok();
+    return Fail(InvalidArgument("communicator \"{}\": rank {} expects {} bytes from rank {}, which sent {} bytes",
+                                name(), rank(), bytes, peer, total));
+  }
+  if (chunk > 0) std::memcpy(dst + offset, segment_->channel_slot(peer, rank(), k), chunk);
+  ch->tail.value.store(k + 1, std::memory_order_release);
+  Ring();
+  received_[static_cast<size_t>(peer)] = k + 1;
+  return true;
+}
+
+Status ShmCommunicator::DoSend(int peer, const void* data, size_t bytes) {
+  return DoSendRecv(peer, data, -1, nullptr, bytes);
 }
 
 Status ShmCommunicator::DoRecv(int peer, void* data, size_t bytes) {
-  ChannelControl* ch = segment_->channel(peer, rank());
-  auto* dst = static_cast<char*>(data);
-  const Op op{Kind::kRecv, 0, bytes, DType::kInt32, ReduceOp::kSum, peer};
-  size_t done = 0;
-  do {
-    const uint64_t k = received_[static_cast<size_t>(peer)];
-    auto arrived = [&] { return ch->head.value.load(std::memory_order_acquire) > k; };
-    if (!arrived()) TANDEM_RETURN_IF_ERROR(WaitUntil(op, peer, arrived, "send"));
-    const uint64_t total = ch->slots[k % 2].total;
-    const uint64_t chunk = ch->slots[k % 2].bytes;
-    if (total != bytes || chunk > bytes - done) {
-      ch->mismatch.value.store(bytes + 1, std::memory_order_release);
-      Ring();
-      return Fail(InvalidArgument("communicator \"{}\": rank {} expects {} bytes from rank {}, which sent {} bytes",
-                                  name(), rank(), bytes, peer, total));
+  return DoSendRecv(-1, nullptr, peer, data, bytes);
+}
+
+// Sends to `to` and receives from `from` (either may be -1: none), moving
+// whichever chunk can move, so two ranks exchanging large messages never wait
+// on each other.
+Status ShmCommunicator::DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) {
+  const auto* src = static_cast<const char*>(send);
+  auto* dst = static_cast<char*>(recv);
+  const size_t chunks = ChunksOf(bytes);
+  size_t sent = to < 0 ? chunks : 0;
+  size_t received = from < 0 ? chunks : 0;
+  const Op op{to >= 0 ? Kind::kSend : Kind::kRecv, 0, bytes, DType::kInt32, ReduceOp::kSum, to >= 0 ? to : from};
+  while (sent < chunks || received < chunks) {
+    bool moved = false;
+    if (sent < chunks) {
+      TANDEM_ASSIGN_OR_RETURN(const bool ok, TrySendChunk(to, src, bytes, sent));
+      if (ok) ++sent;
+      moved |= ok;
     }
-    if (chunk > 0) std::memcpy(dst + done, segment_->channel_slot(peer, rank(), k), chunk);
-    ch->tail.value.store(k + 1, std::memory_order_release);
-    Ring();
-    received_[static_cast<size_t>(peer)] = k + 1;
-    done += chunk;
-  } while (done < bytes);
+    if (received < chunks) {
+      TANDEM_ASSIGN_OR_RETURN(const bool ok, TryRecvChunk(from, dst, bytes, received));
+      if (ok) ++received;
+      moved |= ok;
+    }
+    if (moved) continue;
+    ChannelControl* out = to >= 0 ? segment_->channel(rank(), to) : nullptr;
+    ChannelControl* in = from >= 0 ? segment_->channel(from, rank()) : nullptr;
+    auto ready = [&] {
+      if (sent < chunks && (out->tail.value.load(std::memory_order_acquire) + 2 > sent_[static_cast<size_t>(to)] ||
+                            out->mismatch.value.load(std::memory_order_acquire) != 0)) {
+        return true;
+      }
+      return received < chunks && in->head.value.load(std::memory_order_acquire) > received_[static_cast<size_t>(from)];
+    };
+    TANDEM_RETURN_IF_ERROR(WaitFor(
+        op, ready,
+        [&] {
+          std::vector<int> peers;
+          if (sent < chunks) peers.push_back(to);
+          if (received < chunks && from != to) peers.push_back(from);
+          return peers;
+        },
+        [&] {
+          return sent < chunks ? fmt::format("rank {} did not read the previous chunks", to)
+                               : fmt::format("rank {} did not send", from);
+        }));
+  }
   return Status::Ok();
 }
 

@@ -103,6 +103,7 @@ class ShmCommunicator : public Communicator {
   Status DoBarrier(uint64_t seq) override;
   Status DoSend(int peer, const void* data, size_t bytes) override;
   Status DoRecv(int peer, void* data, size_t bytes) override;
+  Status DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) override;
   void OnAbort() override;
 
  private:
@@ -119,7 +120,6 @@ class ShmCommunicator : public Communicator {
   // Wakes the ranks sleeping on the segment's bell, if any.
   void Ring();
   Status WaitAll(const Op& op, Counter which, uint64_t t, int only_rank = -1);
-  Status WaitUntil(const Op& op, int peer, const std::function<bool()>& ready, const char* what);
   // Spins, yields, then sleeps until ready(); fails on abort, a peer's
   // recorded failure, the death of a rank in waiting_on(), or the timeout.
   Status WaitFor(const Op& op, const std::function<bool()>& ready, const std::function<std::vector<int>()>& waiting_on,
@@ -129,6 +129,9 @@ class ShmCommunicator : public Communicator {
   Status PeerFailure() const;
   std::string Laggards(const Op& op, Counter which, uint64_t t, int only_rank) const;
   bool Streaming(size_t bytes) const;
+  size_t ChunksOf(size_t bytes) const;
+  Result<bool> TrySendChunk(int peer, const char* src, size_t bytes, size_t index);
+  Result<bool> TryRecvChunk(int peer, char* dst, size_t bytes, size_t index);
   Status Reduction(const Op& op, const char* src, char* dst, int root);
   char* InSlot(int rank, uint64_t t) const;
   char* ResultSlot(int rank, uint64_t t) const;
