@@ -81,5 +81,28 @@ TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
   }
 }
 
+// Workers on two (simulated) nodes: groups inside a node use shared memory,
+// groups across nodes UCX.
+TEST(DataPlaneProcessTest, GroupsAcrossNodesUseUcx) {
+  testing::TempDir dir;
+  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(),
+                                          {"--job-min-workers", "2", "--job-max-workers", "2"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  std::vector<cli::LaunchedDaemon> workers;
+  for (const char* node : {"node-a", "node-b"}) {
+    auto w = testing::StartDaemon("tandem-worker", std::string("worker-") + node, dir.path(),
+                                  {"--coordinator-address", coordinator->ready.grpc_address, "--node-id", node});
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    workers.push_back(std::move(*w));
+  }
+  for (auto& w : workers) {
+    EXPECT_TRUE(WaitUntil([&] { return Metric(w, "tandem_worker_data_plane_epoch") == 1; }, milliseconds(20000)))
+        << testing::ReadFile(w.log_file);
+    const std::string log = testing::ReadFile(w.log_file);
+    EXPECT_NE(log.find("world (ucx, rank"), std::string::npos) << log;
+    EXPECT_NE(log.find(" (shm, rank 0 of 1)"), std::string::npos) << log;
+  }
+}
+
 }  // namespace
 }  // namespace tandem
