@@ -94,14 +94,6 @@ double InputValue(int r, size_t i) {
   return static_cast<double>((r + 1) + static_cast<int>(i % 7));
 }
 
-void Put(DType dtype, void* base, size_t i, double v) {
-  collectives::StoreFromDouble(dtype, base, i, v);
-}
-
-double Get(DType dtype, const void* base, size_t i) {
-  return collectives::LoadAsDouble(dtype, base, i);
-}
-
 // op over ranks 0..n-1 of InputValue(r, i).
 double Expected(ReduceOp op, DType dtype, int n, size_t i) {
   double sum = 0;
@@ -193,29 +185,32 @@ uint64_t CountWrong(const BenchConfig& c, int n, int r, const Sizes& s, const vo
   uint64_t wrong = 0;
   const DType d = c.dtype;
   if (c.collective == "allreduce" || (c.collective == "reduce" && r == c.root)) {
-    for (size_t i = 0; i < s.count; ++i) wrong += !Close(d, Get(d, out, i), Expected(c.op, d, n, i));
+    for (size_t i = 0; i < s.count; ++i)
+      wrong += !Close(d, collectives::LoadAsDouble(d, out, i), Expected(c.op, d, n, i));
   } else if (c.collective == "reducescatter") {
     for (size_t i = 0; i < s.count; ++i) {
-      wrong += !Close(d, Get(d, out, i), Expected(c.op, d, n, static_cast<size_t>(r) * s.count + i));
+      wrong +=
+          !Close(d, collectives::LoadAsDouble(d, out, i), Expected(c.op, d, n, static_cast<size_t>(r) * s.count + i));
     }
   } else if (c.collective == "allgather") {
     for (int j = 0; j < n; ++j) {
       for (size_t i = 0; i < s.count; ++i) {
-        wrong += !Close(d, Get(d, out, static_cast<size_t>(j) * s.count + i), InputValue(j, i));
+        wrong += !Close(d, collectives::LoadAsDouble(d, out, static_cast<size_t>(j) * s.count + i), InputValue(j, i));
       }
     }
   } else if (c.collective == "broadcast") {
-    for (size_t i = 0; i < s.count; ++i) wrong += !Close(d, Get(d, out, i), InputValue(c.root, i));
+    for (size_t i = 0; i < s.count; ++i)
+      wrong += !Close(d, collectives::LoadAsDouble(d, out, i), InputValue(c.root, i));
   } else if (c.collective == "sendrecv" && n > 1) {
     const int from = (r + n - 1) % n;
-    for (size_t i = 0; i < s.count; ++i) wrong += !Close(d, Get(d, out, i), InputValue(from, i));
+    for (size_t i = 0; i < s.count; ++i) wrong += !Close(d, collectives::LoadAsDouble(d, out, i), InputValue(from, i));
   }
   return wrong;
 }
 
 void Prepare(const BenchConfig& c, int r, const Sizes& s, std::vector<char>& in, std::vector<char>& out) {
   const size_t e = collectives::SizeOf(c.dtype);
-  for (size_t i = 0; i < s.in_elems; ++i) Put(c.dtype, in.data(), i, InputValue(r, i));
+  for (size_t i = 0; i < s.in_elems; ++i) collectives::StoreFromDouble(c.dtype, in.data(), i, InputValue(r, i));
   std::memset(out.data(), 0xff, s.out_elems * e);  // poison: NaN / -1 everywhere
   if (c.collective == "broadcast" && r == c.root) std::memcpy(out.data(), in.data(), s.count * e);
 }

@@ -103,7 +103,7 @@ class TestComm : public Communicator {
     if (!group_->cv.wait_for(lock, timeout(), [&] { return aborted() || !box.empty(); })) {
       return DeadlineExceeded("rank {} sent nothing to rank {}", peer, rank());
     }
-    if (aborted()) return AbortStatus();
+    if (aborted()) return health();
     if (box.front().size() != bytes)
       return InvalidArgument("message of {} bytes, expected {}", box.front().size(), bytes);
     std::memcpy(data, box.front().data(), bytes);
@@ -139,7 +139,7 @@ class TestComm : public Communicator {
     group_->cv.notify_all();
     const auto deadline = Clock::now() + timeout();
     while (true) {
-      if (aborted()) return AbortStatus();
+      if (aborted()) return health();
       if (std::all_of(slot.blobs.begin(), slot.blobs.end(), [](const auto& b) { return b.has_value(); })) break;
       if (group_->cv.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         std::string missing;

@@ -299,7 +299,7 @@ class TestComm : public Communicator {
     table_->cv.notify_all();
     const auto deadline = Clock::now() + timeout();
     while (true) {
-      if (aborted()) return AbortStatus();
+      if (aborted()) return health();
       if (std::all_of(slot.blobs.begin(), slot.blobs.end(), [](const auto& b) { return b.has_value(); })) break;
       if (table_->cv.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
         return DeadlineExceeded("collective {} of {} timed out", seq, name());

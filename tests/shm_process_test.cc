@@ -195,5 +195,22 @@ TEST(ShmProcessTest, RankThatNeverAttachesIsNamed) {
   EXPECT_TRUE(Segments(results).empty());
 }
 
+// A segment /dev/shm cannot hold is an error at build time that says what to
+// do, with nothing published and nothing left in /dev/shm (never a SIGBUS in
+// the middle of a collective).
+TEST(ShmProcessTest, ASegmentTooLargeForDevShmIsAClearErrorAndLeavesNothing) {
+  MemoryRendezvous rendezvous;
+  ShmOptions options;
+  options.round_bytes = 1ULL << 30;  // 64 ranks x 2 sets x 2 slots x 1 GiB = 256 GiB
+  auto made = ShmCommunicator::Create(Info(0, 64, std::chrono::milliseconds(500)), rendezvous, options);
+  ASSERT_FALSE(made.ok());
+  EXPECT_EQ(made.status().code(), StatusCode::kResourceExhausted) << made.status().ToString();
+  EXPECT_NE(made.status().message().find("/dev/shm"), std::string::npos) << made.status().ToString();
+  EXPECT_FALSE(rendezvous.Get("shm/world/1", std::chrono::milliseconds(0)).ok()) << "a segment name was published";
+  RankResult self;
+  self.pid = ::getpid();
+  EXPECT_TRUE(Segments({self}).empty()) << "a segment was left in /dev/shm";
+}
+
 }  // namespace
 }  // namespace tandem::comm

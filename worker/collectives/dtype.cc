@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "worker/collectives/kernels.h"
+
 namespace tandem::collectives {
 
 size_t SizeOf(DType dtype) {
@@ -119,65 +121,11 @@ uint16_t FloatToBFloat16(float f) {
   return static_cast<uint16_t>((bits + rounding) >> 16);
 }
 
-namespace {
-
-template <typename T>
-T Combine(T a, T b, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      return static_cast<T>(a + b);
-    case ReduceOp::kMin:
-      return std::min(a, b);
-    case ReduceOp::kMax:
-      return std::max(a, b);
-  }
-  return a;
-}
-
-template <typename T>
-void ReduceTyped(T* acc, const T* in, size_t n, ReduceOp op) {
-  // Separate loops per op so the compiler vectorises each.
-  switch (op) {
-    case ReduceOp::kSum:
-    case ReduceOp::kAvg:
-      for (size_t i = 0; i < n; ++i) acc[i] = static_cast<T>(acc[i] + in[i]);
-      return;
-    case ReduceOp::kMin:
-      for (size_t i = 0; i < n; ++i) acc[i] = std::min(acc[i], in[i]);
-      return;
-    case ReduceOp::kMax:
-      for (size_t i = 0; i < n; ++i) acc[i] = std::max(acc[i], in[i]);
-      return;
-  }
-}
-
-template <float (*Widen)(uint16_t), uint16_t (*Narrow)(float)>
-void ReduceNarrow(uint16_t* acc, const uint16_t* in, size_t n, ReduceOp op) {
-  for (size_t i = 0; i < n; ++i) acc[i] = Narrow(Combine(Widen(acc[i]), Widen(in[i]), op));
-}
-
-}  // namespace
-
+// The two-source case of the reduction kernels (worker/collectives/kernels.h):
+// avg is a sum here (divisor 1); the caller divides once at the end.
 void Reduce(void* acc, const void* in, size_t n, DType dtype, ReduceOp op) {
-  switch (dtype) {
-    case DType::kFloat32:
-      ReduceTyped(static_cast<float*>(acc), static_cast<const float*>(in), n, op);
-      return;
-    case DType::kInt32:
-      ReduceTyped(static_cast<int32_t*>(acc), static_cast<const int32_t*>(in), n, op);
-      return;
-    case DType::kInt64:
-      ReduceTyped(static_cast<int64_t*>(acc), static_cast<const int64_t*>(in), n, op);
-      return;
-    case DType::kFloat16:
-      ReduceNarrow<HalfToFloat, FloatToHalf>(static_cast<uint16_t*>(acc), static_cast<const uint16_t*>(in), n, op);
-      return;
-    case DType::kBFloat16:
-      ReduceNarrow<BFloat16ToFloat, FloatToBFloat16>(static_cast<uint16_t*>(acc), static_cast<const uint16_t*>(in), n,
-                                                     op);
-      return;
-  }
+  const void* srcs[2] = {acc, in};
+  ReduceMany(srcs, 2, acc, nullptr, n, dtype, op, 1);
 }
 
 double LoadAsDouble(DType dtype, const void* base, size_t i) {

@@ -65,10 +65,6 @@ Status Communicator::health() const {
   return broken_;
 }
 
-Status Communicator::AbortStatus() const {
-  return health();
-}
-
 void Communicator::Abort(const std::string& reason) {
   {
     std::lock_guard lock(mu_);
@@ -97,7 +93,7 @@ Status Communicator::Begin(Kind kind, uint64_t* seq) {
     if (!broken_.ok()) return broken_;
   }
   last_kind_.store(static_cast<uint8_t>(kind));
-  *seq = entered_.fetch_add(1) + 1;
+  if (seq != nullptr) *seq = entered_.fetch_add(1) + 1;  // point to point is not numbered
   return Status::Ok();
 }
 
@@ -189,11 +185,7 @@ Status Communicator::Send(int peer, const void* data, size_t count, DType dtype)
   TANDEM_RETURN_IF_ERROR(CheckRoot(peer, size(), "send peer"));
   if (peer == rank()) return InvalidArgument("rank {} cannot send to itself", peer);
   TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "send buffer"));
-  {
-    std::lock_guard lock(mu_);
-    if (!broken_.ok()) return broken_;
-  }
-  last_kind_.store(static_cast<uint8_t>(Kind::kSend));
+  TANDEM_RETURN_IF_ERROR(Begin(Kind::kSend, nullptr));
   return Finish(DoSend(peer, data, count * collectives::SizeOf(dtype)), false);
 }
 
@@ -202,11 +194,7 @@ Status Communicator::Recv(int peer, void* data, size_t count, DType dtype) {
   TANDEM_RETURN_IF_ERROR(CheckRoot(peer, size(), "recv peer"));
   if (peer == rank()) return InvalidArgument("rank {} cannot receive from itself", peer);
   TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "recv buffer"));
-  {
-    std::lock_guard lock(mu_);
-    if (!broken_.ok()) return broken_;
-  }
-  last_kind_.store(static_cast<uint8_t>(Kind::kRecv));
+  TANDEM_RETURN_IF_ERROR(Begin(Kind::kRecv, nullptr));
   return Finish(DoRecv(peer, data, count * collectives::SizeOf(dtype)), false);
 }
 
@@ -217,11 +205,7 @@ Status Communicator::SendRecv(int to, const void* send, int from, void* recv, si
   if (to == rank() || from == rank()) return InvalidArgument("rank {} cannot send to or receive from itself", rank());
   TANDEM_RETURN_IF_ERROR(CheckBuffer(send, count, "sendrecv send buffer"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(recv, count, "sendrecv receive buffer"));
-  {
-    std::lock_guard lock(mu_);
-    if (!broken_.ok()) return broken_;
-  }
-  last_kind_.store(static_cast<uint8_t>(Kind::kSend));
+  TANDEM_RETURN_IF_ERROR(Begin(Kind::kSend, nullptr));
   return Finish(DoSendRecv(to, send, from, recv, count * collectives::SizeOf(dtype)), false);
 }
 

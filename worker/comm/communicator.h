@@ -144,13 +144,14 @@ class Communicator {
   // Called once by Abort() after the reason is recorded: wake every waiter.
   virtual void OnAbort() {}
 
-  // For backends: non-OK once aborted (ABORTED with the reason). Cheap;
-  // poll it in wait loops.
+  // For backends: true once aborted (health() then carries the reason).
+  // Cheap; poll it in wait loops.
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
-  Status AbortStatus() const;
   const CommInfo& info() const { return info_; }
 
  private:
+  // Fails with the first error once broken; numbers a collective (seq not
+  // null) or records a point-to-point kind (seq null).
   Status Begin(Kind kind, uint64_t* seq);
   Status Finish(Status status, bool numbered);
 

@@ -359,17 +359,13 @@ ShmCommunicator::~ShmCommunicator() {
   Ring();
 }
 
-size_t ShmCommunicator::segment_bytes() const {
-  return segment_->bytes;
-}
-
 void ShmCommunicator::KillForTesting() {
   segment_->control(rank())->state.store(static_cast<uint32_t>(RankState::kDead), std::memory_order_release);
   Ring();
 }
 
 void ShmCommunicator::OnAbort() {
-  (void)Fail(AbortStatus());
+  (void)Fail(health());
   Ring();
 }
 
@@ -519,7 +515,7 @@ Status ShmCommunicator::WaitFor(const Op& op, const std::function<bool()>& ready
   Header* h = segment_->header();
   while (true) {
     if (ready()) return Status::Ok();
-    if (aborted()) return AbortStatus();
+    if (aborted()) return health();
     TANDEM_RETURN_IF_ERROR(PeerFailure());
     const auto now = Clock::now();
     if (now >= next_liveness) {

@@ -21,11 +21,14 @@
 //   into its output. One synchronisation.
 // - allreduce, large: rounds of `round_bytes`, each cut into one block per
 //   rank. Each rank copies the blocks the others own into its slot, reduces
-//   the block it owns from its own input and the others' slots (one pass,
-//   writing its output and its result slot), then copies the others' results
-//   into its output. Each input byte is read once from memory and each output
-//   byte written once; the staging traffic stays in the shared cache.
-// - reduce_scatter, reduce, all_gather and broadcast use the same rounds.
+//   the block it owns from its own input and the others' slots (block by
+//   block through L1, each block stored into its output and its result slot
+//   with the C library's copy), then copies the others' results into its
+//   output. Each input byte is read once from memory and each output byte
+//   written once; the staging traffic stays in the shared cache. Rounds are
+//   software-pipelined: round k + 1 is copied in before waiting on round k.
+// - reduce_scatter, reduce, all_gather and broadcast use the same rounds
+//   (broadcast in rounds of an eighth of the message, to pipeline).
 // - float16 and bfloat16 accumulate in float32 over all ranks and round once.
 // - Results are bit-identical on every rank.
 //
@@ -87,8 +90,6 @@ class ShmCommunicator : public Communicator {
   ~ShmCommunicator() override;
 
   std::string backend() const override { return "shm"; }
-  // Bytes of shared memory the segment uses.
-  size_t segment_bytes() const;
 
   // Makes this rank look dead to its peers, as a killed process would
   // (for tests whose ranks are threads of one process).

@@ -111,7 +111,7 @@ Status TransportCommunicator::CheckPeers(const Descriptor& mine) {
 }
 
 Status TransportCommunicator::Interrupted() {
-  if (aborted()) return AbortStatus();
+  if (aborted()) return health();
   for (int q = 0; q < size(); ++q) {
     auto& request = notice_recvs_[static_cast<size_t>(q)];
     if (request == nullptr) continue;

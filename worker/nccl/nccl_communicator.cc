@@ -282,7 +282,7 @@ Status NcclCommunicator::Wait(const OpName* op, ncclComm_t nccl, bool query_stre
   const auto deadline = Clock::now() + timeout();
   auto pause = std::chrono::duration_cast<std::chrono::microseconds>(kFirstPause);
   while (true) {
-    if (aborted()) return AbortStatus();
+    if (aborted()) return health();
     ncclResult_t state = ncclSuccess;
     if (const ncclResult_t r = ncclCommGetAsyncError(nccl, &state); r != ncclSuccess) state = r;
     if (state != ncclSuccess && state != ncclInProgress) {
@@ -318,7 +318,7 @@ Status NcclCommunicator::Run(const OpName& op, const Enqueue& enqueue) {
   ncclComm_t nccl = nullptr;
   {
     std::lock_guard lock(nccl_mu_);
-    if (aborted()) return AbortStatus();
+    if (aborted()) return health();
     if (nccl_ == nullptr) return FailedPrecondition("{}: the NCCL communicator is gone", Where());
     nccl = nccl_;
     in_flight_ = true;
