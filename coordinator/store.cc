@@ -15,7 +15,7 @@
 #include <filesystem>
 #include <string_view>
 
-#include "coordinator/crc32c.h"
+#include "common/crc32c.h"
 
 namespace tandem::coordinator {
 namespace {

@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 
 #include "reference.h"
-#include "worker/transport/local_transport.h"
+#include "common/transport/local_transport.h"
 
 namespace tandem::collectives {
 namespace {

@@ -22,7 +22,7 @@
 #include "worker/comm/rendezvous.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
-#include "worker/transport/local_transport.h"
+#include "common/transport/local_transport.h"
 
 namespace tandem::comm_test {
 

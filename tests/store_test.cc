@@ -23,7 +23,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "coordinator/crc32c.h"
+#include "common/crc32c.h"
 #include "test_util.h"
 
 namespace tandem::coordinator {

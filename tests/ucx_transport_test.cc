@@ -1,4 +1,4 @@
-// UcxTransport (worker/transport/ucx_transport.h): ranks as threads of this
+// UcxTransport (common/transport/ucx_transport.h): ranks as threads of this
 // process, each with its own UCX contexts and workers, addresses exchanged in
 // memory, on three paths (copy through shared memory, cma rendezvous, TCP on
 // lo): ordered matching, many tags, sizes, size mismatches, timeouts, dropped
@@ -7,7 +7,7 @@
 //
 // With TANDEM_UCX_BENCH=1, UcxBench.CopyVersusCma prints the bandwidth of
 // large messages through posix/sysv segments and through cma.
-#include "worker/transport/ucx_transport.h"
+#include "common/transport/ucx_transport.h"
 
 #include <signal.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-// CPU collective algorithms over the Transport interface (worker/transport/).
+// CPU collective algorithms over the Transport interface (common/transport/).
 //
 // Two families, chosen by message size (CollectiveOptions::small_bytes):
 //
@@ -61,7 +61,7 @@
 
 #include "common/status.h"
 #include "worker/collectives/dtype.h"
-#include "worker/transport/transport.h"
+#include "common/transport/transport.h"
 
 namespace tandem::collectives {
 

@@ -18,7 +18,7 @@
 #include "worker/comm/rendezvous.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
-#include "worker/transport/ucx_transport.h"
+#include "common/transport/ucx_transport.h"
 
 namespace tandem::comm {
 

@@ -1,4 +1,4 @@
-// A communicator over any Transport (worker/transport/): the in-process
+// A communicator over any Transport (common/transport/): the in-process
 // LocalFabric in tests ("local"), and the network transports between nodes
 // ("ucx", "tcp"). The algorithms are the CPU collectives of
 // worker/collectives/collectives.h; this class adds what a communicator
@@ -74,7 +74,7 @@
 
 #include "worker/collectives/collectives.h"
 #include "worker/comm/communicator.h"
-#include "worker/transport/transport.h"
+#include "common/transport/transport.h"
 
 namespace tandem::comm {
 

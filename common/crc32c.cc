@@ -1,8 +1,8 @@
-#include "coordinator/crc32c.h"
+#include "common/crc32c.h"
 
 #include <array>
 
-namespace tandem::coordinator {
+namespace tandem {
 namespace {
 
 constexpr uint32_t kPolynomial = 0x82F63B78u;  // Castagnoli, bit-reflected
@@ -51,4 +51,4 @@ uint32_t Crc32c(const void* data, size_t n, uint32_t crc) {
   return ~crc;
 }
 
-}  // namespace tandem::coordinator
+}  // namespace tandem

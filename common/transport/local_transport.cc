@@ -1,4 +1,4 @@
-#include "worker/transport/local_transport.h"
+#include "common/transport/local_transport.h"
 
 #include <cstring>
 

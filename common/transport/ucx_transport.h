@@ -119,7 +119,7 @@
 #include <vector>
 
 #include "common/status.h"
-#include "worker/transport/transport.h"
+#include "common/transport/transport.h"
 
 namespace tandem::transport {
 

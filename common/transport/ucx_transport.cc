@@ -1,4 +1,4 @@
-#include "worker/transport/ucx_transport.h"
+#include "common/transport/ucx_transport.h"
 
 #include <pthread.h>
 #include <signal.h>

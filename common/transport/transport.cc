@@ -1,4 +1,4 @@
-#include "worker/transport/transport.h"
+#include "common/transport/transport.h"
 
 namespace tandem::transport {
 namespace {

@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "common/thread_annotations.h"
-#include "worker/transport/transport.h"
+#include "common/transport/transport.h"
 
 namespace tandem::transport {
 
