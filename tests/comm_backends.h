@@ -19,7 +19,7 @@
 #include "common/status.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/factory.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
 #include "common/transport/local_transport.h"

@@ -28,7 +28,7 @@
 #include "coordinator/coordinator_core.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/store.h"
-#include "worker/comm/coordinator_rendezvous.h"
+#include "common/coordinator_rendezvous.h"
 
 namespace tandem::comm {
 namespace {

@@ -23,7 +23,7 @@
 
 #include "tandem/config.h"
 #include "worker/collectives/dtype.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 #include "worker/nccl/gpu_info.h"
 
 #if TANDEM_CUDA_ENABLED

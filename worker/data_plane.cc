@@ -6,7 +6,7 @@
 #include <prometheus/gauge.h>
 #include <spdlog/spdlog.h>
 
-#include "worker/comm/coordinator_rendezvous.h"
+#include "common/coordinator_rendezvous.h"
 
 namespace tandem::worker {
 

@@ -52,7 +52,7 @@
 #include "common/thread_annotations.h"
 #include "tandem/v1/types.pb.h"
 #include "worker/comm/communicator.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 
 namespace tandem::comm {
 

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "worker/comm/communicator.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
 #include "common/transport/ucx_transport.h"

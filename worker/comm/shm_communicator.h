@@ -55,7 +55,7 @@
 #include <vector>
 
 #include "worker/comm/communicator.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 
 namespace tandem::comm {
 

@@ -68,7 +68,7 @@
 #include "common/thread_annotations.h"
 #include "tandem/config.h"
 #include "worker/comm/communicator.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 
 #if TANDEM_CUDA_ENABLED
 #include <cuda_runtime_api.h>

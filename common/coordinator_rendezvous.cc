@@ -1,4 +1,4 @@
-#include "worker/comm/coordinator_rendezvous.h"
+#include "common/coordinator_rendezvous.h"
 
 #include <algorithm>
 #include <thread>

@@ -1,4 +1,4 @@
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 
 #include <unistd.h>
 

@@ -33,7 +33,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "tandem/v1/coordinator.grpc.pb.h"
-#include "worker/comm/rendezvous.h"
+#include "common/rendezvous.h"
 
 namespace tandem::comm {
 

@@ -1,0 +1,142 @@
+// The parameter-server data plane's wire protocol: the frames workers and
+// servers exchange over the transport (common/transport/frame_channel.h).
+// Control (initialise, statistics, checkpoints) goes over gRPC
+// (proto/tandem/v1/server.proto); this is the hot path only.
+//
+// Every frame is a 80-byte header, followed by a payload of payload_bytes
+// when that is not 0. Fields are in host byte order; Tandem runs only on
+// little-endian machines (checked at compile time), so that is little-endian.
+//
+// Requests and their replies (request_id pairs them; a reply echoes the
+// request's partition, epoch and step):
+//
+//   kPush        worker -> primary. Gradient of `partition` for `step`,
+//                computed in `epoch`, as payload_bytes of `dtype` (one
+//                element per partition element). `contributor` of
+//                `contributors` (pushes a step needs). Reply: kPushReply,
+//                status OK; `flags` kFlagDuplicate when the push was already
+//                counted or the step already applied (the push is ignored).
+//   kPull        worker -> primary. Parameters of `partition` once its step is
+//                >= `step` (0: now), as `dtype` (FP32 or BF16). In bounded-
+//                staleness mode `contributor` is the puller. Reply:
+//                kPullReply with the values; `step` and `version` say where
+//                the partition is.
+//   kShare       server -> server (sync mode). This server's part of the
+//                decision for `step` in `epoch`: payload is `contributors`
+//                entries of ShareEntry, one per partition it is primary for.
+//                No reply.
+//   kReplica     primary -> backup. One update of `partition`: the reduced
+//                gradient (fp32, payload) and the grad scale (`value`) the
+//                primary applied, with flags kFlagSkip when the step was
+//                skipped (no payload). `step` is the step, `version` the
+//                version before the update. Reply: kReplicaReply.
+//   kTransfer    primary -> new backup. The whole state of `partition`:
+//                payload is weights, then state0, then state1 (fp32 each, as
+//                many buffers as the optimizer keeps, `contributors` says
+//                how many); `step` the step and `version` the version.
+//                Reply: kTransferReply.
+//   kJob         primary -> new backup, before kTransfer. The job's
+//                configuration: a serialized InitializeParametersRequest
+//                with tensors, optimizer and consistency (no values), for a
+//                server that joined after the job was initialised. No reply.
+//
+// Errors: a reply whose `status` is not 0 carries a StatusCode and, as its
+// payload, the message (UTF-8, at most 4 KiB).
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace tandem::ps {
+
+static_assert(std::endian::native == std::endian::little, "the parameter-server protocol assumes little-endian hosts");
+
+inline constexpr uint32_t kMagic = 0x31535054;  // "TPS1"
+// Transport tags of headers and payloads.
+inline constexpr uint64_t kHeaderTag = 0x5053000001;
+inline constexpr uint64_t kPayloadTag = 0x5053000002;
+inline constexpr size_t kMaxErrorBytes = 4096;
+
+enum class FrameType : uint16_t {
+  kPush = 1,
+  kPushReply = 2,
+  kPull = 3,
+  kPullReply = 4,
+  kShare = 5,
+  kReplica = 6,
+  kReplicaReply = 7,
+  kTransfer = 8,
+  kTransferReply = 9,
+  kJob = 10,
+};
+
+inline constexpr uint16_t kFlagDuplicate = 1;
+inline constexpr uint16_t kFlagSkip = 2;
+
+struct Frame {
+  uint32_t magic = kMagic;
+  FrameType type = FrameType::kPush;
+  uint16_t dtype = 0;  // v1::WireDType
+  uint32_t partition = 0;
+  int32_t status = 0;  // StatusCode of a reply
+  uint64_t epoch = 0;
+  uint64_t step = 0;
+  uint64_t request_id = 0;
+  uint64_t payload_bytes = 0;
+  uint32_t contributor = 0;
+  uint32_t contributors = 0;
+  double value = 0;
+  uint64_t version = 0;
+  uint16_t flags = 0;
+  uint16_t reserved0 = 0;
+  uint32_t reserved1 = 0;
+};
+static_assert(sizeof(Frame) == 80, "Frame is 80 bytes on the wire");
+
+// One partition's part of a sync step decision (kShare payload).
+struct ShareEntry {
+  uint32_t partition = 0;
+  uint32_t finite = 1;  // 0: the partition's reduced gradient holds NaN or Inf
+  double sum_squares = 0;
+};
+static_assert(sizeof(ShareEntry) == 16);
+
+const char* FrameTypeName(FrameType type);
+
+// The reply to `request` with `type`: partition, epoch, step and request id
+// copied, no payload.
+inline Frame ReplyTo(const Frame& request, FrameType type) {
+  Frame reply;
+  reply.type = type;
+  reply.partition = request.partition;
+  reply.epoch = request.epoch;
+  reply.step = request.step;
+  reply.request_id = request.request_id;
+  reply.contributor = request.contributor;
+  return reply;
+}
+
+// The error payload of a reply carrying `status` (truncated to
+// kMaxErrorBytes); sets reply.status and payload_bytes.
+inline std::vector<char> ErrorPayload(Frame& reply, const Status& status) {
+  std::string message = status.message().substr(0, kMaxErrorBytes);
+  reply.status = static_cast<int32_t>(status.code());
+  reply.payload_bytes = message.size();
+  return {message.begin(), message.end()};
+}
+
+// The Status a reply carries (OK when status is 0).
+inline Status ReplyStatus(const Frame& reply, const void* payload) {
+  if (reply.status == 0) return Status::Ok();
+  const size_t n = payload != nullptr ? static_cast<size_t>(reply.payload_bytes) : 0;
+  const int code = reply.status;
+  return Status(code > 0 && code <= 16 ? static_cast<StatusCode>(code) : StatusCode::kUnknown,
+                std::string(static_cast<const char*>(payload), n));
+}
+
+}  // namespace tandem::ps

@@ -1,0 +1,87 @@
+#include "server/optimizer/thread_pool.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace tandem::server {
+namespace {
+
+constexpr size_t kAlign = 16;           // elements: one 64-byte cache line of floats
+constexpr size_t kChunksPerThread = 4;  // a few per thread, for balance on a busy machine
+
+size_t RoundUp(size_t v, size_t to) {
+  return (v + to - 1) / to * to;
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads) : size_(std::max(threads, 1)) {
+  threads_.reserve(static_cast<size_t>(size_ - 1));
+  for (int i = 1; i < size_; ++i) threads_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  for (std::thread& t : threads_) t.join();
+}
+
+size_t ThreadPool::ChunkSize(size_t n, size_t grain) const {
+  const size_t even =
+      (n + kChunksPerThread * static_cast<size_t>(size_) - 1) / (kChunksPerThread * static_cast<size_t>(size_));
+  return RoundUp(std::max({grain, even, size_t{1}}), kAlign);
+}
+
+void ThreadPool::ParallelFor(size_t n, size_t grain, const std::function<void(size_t, size_t)>& fn) {
+  if (n == 0) return;
+  const size_t chunk = ChunkSize(n, grain);
+  if (size_ == 1 || chunk >= n) {
+    fn(0, n);
+    return;
+  }
+  Job job{&fn, n, chunk, (n + chunk - 1) / chunk, 0, 0};
+  std::unique_lock lock(mu_);
+  queue_.push_back(&job);
+  work_cv_.notify_all();
+  // Work on this call's chunks while any is unclaimed (other callers' jobs
+  // are left to the pool threads, so this call returns as soon as it can).
+  while (job.next < job.chunks) {
+    const size_t index = job.next++;
+    if (job.next == job.chunks) queue_.erase(std::find(queue_.begin(), queue_.end(), &job));
+    lock.unlock();
+    fn(index * chunk, std::min(n, (index + 1) * chunk));
+    lock.lock();
+    ++job.done;
+  }
+  // Pool threads count their chunks done under mu_ and never touch the job
+  // after that, so once done == chunks the job may leave this stack frame.
+  done_cv_.wait(lock, [&] { return job.done == job.chunks; });
+}
+
+ThreadPool::Job* ThreadPool::Claim(size_t* index) {
+  Job* job = queue_.front();
+  *index = job->next++;
+  if (job->next == job->chunks) queue_.pop_front();
+  return job;
+}
+
+void ThreadPool::WorkerLoop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    if (stop_) return;
+    size_t index = 0;
+    Job* job = Claim(&index);
+    lock.unlock();
+    (*job->fn)(index * job->chunk, std::min(job->n, (index + 1) * job->chunk));
+    lock.lock();
+    // Notify under the lock: once it is released the caller may return and
+    // `job` be gone.
+    if (++job->done == job->chunks) done_cv_.notify_all();
+  }
+}
+
+}  // namespace tandem::server

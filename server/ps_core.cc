@@ -1,0 +1,1424 @@
+#include "server/ps_core.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "server/checkpoint/checkpoint.h"
+#include "server/optimizer/gradient.h"
+
+namespace tandem::server {
+namespace {
+
+constexpr uint32_t kMaxContributors = 1u << 16;
+constexpr size_t kMaxTensors = 1'000'000;
+constexpr size_t kApplyGrain = 1u << 15;  // elements per optimizer task
+
+bool ValidWireDType(uint16_t dtype) {
+  return dtype <= v1::WIRE_DTYPE_FP16;
+}
+
+v1::WireDType Wire(uint16_t dtype) {
+  return static_cast<v1::WireDType>(dtype);
+}
+
+const char* ModeName(v1::ConsistencyMode mode) {
+  switch (mode) {
+    case v1::CONSISTENCY_MODE_ASYNC:
+      return "async";
+    case v1::CONSISTENCY_MODE_BOUNDED_STALENESS:
+      return "bounded-staleness";
+    default:
+      return "sync";
+  }
+}
+
+bool IsSync(const v1::ConsistencyConfig& c) {
+  return c.mode() == v1::CONSISTENCY_MODE_SYNC || c.mode() == v1::CONSISTENCY_MODE_UNSPECIFIED;
+}
+
+uint64_t TensorElements(const v1::TensorSpec& t) {
+  uint64_t n = 1;
+  for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+  return n;
+}
+
+// Widens initial values of `dtype` to fp32.
+void WidenValues(v1::DType dtype, const char* src, float* dst, size_t n) {
+  switch (dtype) {
+    case v1::DTYPE_BFLOAT16:
+      AccumulateWire(dst, src, v1::WIRE_DTYPE_BF16, n, /*overwrite=*/true);
+      break;
+    case v1::DTYPE_FLOAT16:
+      AccumulateWire(dst, src, v1::WIRE_DTYPE_FP16, n, /*overwrite=*/true);
+      break;
+    default:
+      std::memcpy(dst, src, n * sizeof(float));
+  }
+}
+
+size_t ValueBytes(v1::DType dtype) {
+  return dtype == v1::DTYPE_FLOAT32 ? 4 : 2;
+}
+
+}  // namespace
+
+ParameterStore::ParameterStore(StoreOptions options, ServerLinks* links) : options_(options), links_(links) {
+  int threads = options_.threads > 0 ? options_.threads : static_cast<int>(std::thread::hardware_concurrency());
+  pool_ = std::make_unique<ThreadPool>(std::max(1, threads));
+}
+
+ParameterStore::~ParameterStore() = default;
+
+uint64_t ParameterStore::Fingerprint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors) {
+  uint64_t h = 14695981039346656037ull;
+  auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& t : tensors) {
+    const uint64_t len = t.name().size();
+    mix(&len, sizeof(len));
+    mix(t.name().data(), t.name().size());
+    const uint64_t dims = static_cast<uint64_t>(t.shape_size());
+    mix(&dims, sizeof(dims));
+    for (int64_t d : t.shape()) mix(&d, sizeof(d));
+    const int32_t dtype = t.dtype();
+    mix(&dtype, sizeof(dtype));
+    const uint64_t glen = t.group().size();
+    mix(&glen, sizeof(glen));
+    mix(t.group().data(), t.group().size());
+  }
+  return h;
+}
+
+void ParameterStore::Run(Actions& actions) {
+  for (auto& action : actions) action();
+  actions.clear();
+}
+
+ps::Frame ParameterStore::ErrorReply(const ps::Frame& request, ps::FrameType type, const Status& status,
+                                     std::vector<char>* payload) {
+  ps::Frame reply = ps::ReplyTo(request, type);
+  *payload = ps::ErrorPayload(reply, status);
+  return reply;
+}
+
+std::shared_ptr<ParameterStore::Part> ParameterStore::Find(uint32_t partition) const {
+  std::lock_guard lock(mu_);
+  auto it = parts_.find(partition);
+  return it == parts_.end() ? nullptr : it->second;
+}
+
+uint64_t ParameterStore::epoch() const {
+  std::lock_guard lock(mu_);
+  return epoch_;
+}
+
+bool ParameterStore::configured() const {
+  std::lock_guard lock(mu_);
+  return configured_;
+}
+
+// ---------------------------------------------------------------------------
+// Membership
+// ---------------------------------------------------------------------------
+
+std::vector<ParameterStore::Segment> ParameterStore::SegmentsFor(uint64_t begin, uint64_t end) const {
+  std::vector<Segment> segments;
+  if (!configured_) return segments;
+  // The first tensor that ends after `begin`.
+  auto it = std::upper_bound(tensor_offsets_.begin(), tensor_offsets_.end(), begin);
+  size_t t = static_cast<size_t>(it - tensor_offsets_.begin());
+  t = t == 0 ? 0 : t - 1;
+  uint64_t at = begin;
+  while (at < end && t < static_cast<size_t>(tensors_.size())) {
+    const uint64_t t_end = tensor_offsets_[t] + TensorElements(tensors_[static_cast<int>(t)]);
+    const uint64_t seg_end = std::min(end, t_end);
+    if (seg_end > at) {
+      GroupParams group = optimizer_->Group(tensors_[static_cast<int>(t)].group());
+      if (!segments.empty() && segments.back().group.lr_scale == group.lr_scale &&
+          segments.back().group.weight_decay == group.weight_decay &&
+          segments.back().offset + segments.back().count == at - begin) {
+        segments.back().count += seg_end - at;
+      } else {
+        segments.push_back(Segment{at - begin, seg_end - at, group});
+      }
+      at = seg_end;
+    }
+    ++t;
+  }
+  return segments;
+}
+
+void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::ShardMap& map, uint32_t dp_size,
+                              uint64_t start_step) {
+  Actions actions;
+  {
+    std::lock_guard lock(mu_);
+    if (epoch <= epoch_) return;
+    const uint64_t previous = epoch_;
+    epoch_ = epoch;
+    member_id_ = member_id;
+    map_ = map;
+    dp_size_ = std::max<uint32_t>(1, dp_size);
+    start_step_ = start_step;
+    for (auto it = rounds_.begin(); it != rounds_.end();) {
+      it = it->first.first < epoch ? rounds_.erase(it) : std::next(it);
+    }
+    primaries_ = 0;
+    other_servers_ = false;
+    const Status superseded = Aborted("epoch {} was superseded by epoch {}; push the step again", previous, epoch);
+    std::set<uint32_t> held;
+    for (const auto& p : map.partitions()) {
+      v1::ReplicaRole role = v1::REPLICA_ROLE_UNSPECIFIED;
+      if (p.primary_member_id() == member_id) role = v1::REPLICA_ROLE_PRIMARY;
+      if (p.backup_member_id() == member_id) role = v1::REPLICA_ROLE_BACKUP;
+      if (p.primary_member_id() != member_id) other_servers_ = true;
+      if (role == v1::REPLICA_ROLE_UNSPECIFIED) continue;
+      held.insert(p.id());
+      if (role == v1::REPLICA_ROLE_PRIMARY) ++primaries_;
+      auto& slot = parts_[p.id()];
+      if (!slot) {
+        slot = std::make_shared<Part>();
+        std::lock_guard plock(slot->mu);
+        slot->state.id = p.id();
+        slot->state.begin = p.range().begin();
+        slot->state.end = p.range().end();
+        slot->segments = SegmentsFor(p.range().begin(), p.range().end());
+      }
+      Part& part = *slot;
+      std::lock_guard plock(part.mu);
+      if (part.state.begin != p.range().begin() || part.state.end != p.range().end()) {
+        // A different partitioning (not produced by the coordinator, which
+        // never moves boundaries): start the partition over.
+        spdlog::error("partition {} changed its range from [{}, {}) to [{}, {}); its state is dropped", p.id(),
+                      part.state.begin, part.state.end, p.range().begin(), p.range().end());
+        part.state = PartitionState{};
+        part.state.id = p.id();
+        part.state.begin = p.range().begin();
+        part.state.end = p.range().end();
+        part.segments = SegmentsFor(p.range().begin(), p.range().end());
+      }
+      const bool was_primary = part.role == v1::REPLICA_ROLE_PRIMARY;
+      const uint64_t old_backup = part.backup;
+      if (role == v1::REPLICA_ROLE_PRIMARY && !was_primary && part.role == v1::REPLICA_ROLE_BACKUP) {
+        spdlog::info("partition {}: promoted to primary in epoch {} (version {}, step {})", p.id(), epoch,
+                     part.state.version, part.state.step);
+      }
+      part.role = role;
+      part.primary = p.primary_member_id();
+      part.backup = p.backup_member_id();
+      part.needs_transfer = role == v1::REPLICA_ROLE_PRIMARY && part.backup != 0 && part.state.version > 0 &&
+                            (!was_primary || part.backup != old_backup);
+      part.links_ready = false;
+      part.agg_epoch = 0;
+      part.ready = false;
+      part.early.clear();
+      part.clocks.clear();
+      if (role == v1::REPLICA_ROLE_PRIMARY && part.backup == 0) part.safe_step = part.state.step;
+      if (role == v1::REPLICA_ROLE_BACKUP) part.safe_step = part.state.step;
+      for (auto& pull : part.pulls) {
+        std::vector<char> payload;
+        ps::Frame reply = ErrorReply(pull.header, ps::FrameType::kPullReply, superseded, &payload);
+        actions.push_back([r = std::move(pull.reply), reply, payload = std::move(payload)]() mutable {
+          r(reply, std::move(payload));
+        });
+      }
+      part.pulls.clear();
+      for (auto& [target, ack] : part.push_acks) {
+        ps::Frame request;
+        request.step = target;
+        request.partition = p.id();
+        std::vector<char> payload;
+        ps::Frame reply = ErrorReply(request, ps::FrameType::kPushReply, superseded, &payload);
+        actions.push_back(
+            [r = std::move(ack), reply, payload = std::move(payload)]() mutable { r(reply, std::move(payload)); });
+      }
+      part.push_acks.clear();
+    }
+    for (auto it = parts_.begin(); it != parts_.end();) {
+      if (held.count(it->first) == 0) {
+        std::lock_guard plock(it->second->mu);
+        for (auto& pull : it->second->pulls) {
+          std::vector<char> payload;
+          ps::Frame reply = ErrorReply(
+              pull.header, ps::FrameType::kPullReply,
+              FailedPrecondition("partition {} moved to another server in epoch {}", it->first, epoch), &payload);
+          actions.push_back([r = std::move(pull.reply), reply, payload = std::move(payload)]() mutable {
+            r(reply, std::move(payload));
+          });
+        }
+        it = parts_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    for (auto& capture : captures_) {
+      capture->failed = Aborted("epoch {} was superseded by epoch {} before the checkpoint's step", previous, epoch);
+    }
+    captures_.clear();
+    spdlog::info("epoch {}: this server (member {}) holds {} partition(s), {} as primary", epoch, member_id,
+                 held.size(), primaries_);
+  }
+  changed_.notify_all();
+  Run(actions);
+}
+
+void ParameterStore::LinksReady(uint64_t epoch) {
+  Actions actions;
+  std::vector<std::shared_ptr<Part>> parts;
+  {
+    std::lock_guard lock(mu_);
+    if (epoch != epoch_) return;
+    for (auto& [id, part] : parts_) parts.push_back(part);
+  }
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
+    part->links_ready = true;
+    if (part->needs_transfer) SendTransferLocked(*part, actions);
+  }
+  Run(actions);
+}
+
+std::vector<uint32_t> ParameterStore::Held(bool primary_only) const {
+  std::vector<uint32_t> ids;
+  std::lock_guard lock(mu_);
+  for (const auto& p : map_.partitions()) {
+    if (p.primary_member_id() == member_id_ || (!primary_only && p.backup_member_id() == member_id_)) {
+      ids.push_back(p.id());
+    }
+  }
+  return ids;
+}
+
+Result<std::pair<uint64_t, uint64_t>> ParameterStore::RangeOf(uint32_t partition) const {
+  std::lock_guard lock(mu_);
+  if (partition >= static_cast<uint32_t>(map_.partitions_size())) {
+    return NotFound("partition {} does not exist (the shard map of epoch {} has {})", partition, epoch_,
+                    map_.partitions_size());
+  }
+  const auto& r = map_.partitions(static_cast<int>(partition)).range();
+  return std::make_pair(r.begin(), r.end());
+}
+
+// ---------------------------------------------------------------------------
+// Control
+// ---------------------------------------------------------------------------
+
+Status ParameterStore::Configure(const std::string& job_id,
+                                 const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
+                                 const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency) {
+  if (job_id.empty() || job_id.size() > 128) return InvalidArgument("job_id: must be 1 to 128 bytes");
+  if (tensors.empty()) return InvalidArgument("tensors: the job declares no tensors");
+  if (static_cast<size_t>(tensors.size()) > kMaxTensors) {
+    return InvalidArgument("tensors: {} entries, at most {}", tensors.size(), kMaxTensors);
+  }
+  uint64_t total = 0;
+  std::set<std::string> names;
+  for (int i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    if (t.name().empty() || t.name().size() > 512) {
+      return InvalidArgument("tensors[{}].name: must be 1 to 512 bytes", i);
+    }
+    if (!names.insert(t.name()).second) return InvalidArgument("tensors[{}].name: '{}' is declared twice", i, t.name());
+    if (t.shape_size() > 8)
+      return InvalidArgument("tensors[{}] ('{}'): {} dimensions, at most 8", i, t.name(), t.shape_size());
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) {
+      if (d < 0) return InvalidArgument("tensors[{}] ('{}'): dimension {} is negative", i, t.name(), d);
+      if (d > 0 && n > (uint64_t{1} << 40) / static_cast<uint64_t>(d)) {
+        return InvalidArgument("tensors[{}] ('{}'): more than 2^40 elements", i, t.name());
+      }
+      n *= static_cast<uint64_t>(d);
+    }
+    if (t.dtype() != v1::DTYPE_FLOAT32 && t.dtype() != v1::DTYPE_FLOAT16 && t.dtype() != v1::DTYPE_BFLOAT16) {
+      return InvalidArgument("tensors[{}] ('{}'): dtype {} is not FLOAT32, FLOAT16 or BFLOAT16", i, t.name(),
+                             v1::DType_Name(t.dtype()));
+    }
+    if (t.group().size() > 128) return InvalidArgument("tensors[{}] ('{}'): group longer than 128 bytes", i, t.name());
+    total += n;
+  }
+  if (total > (uint64_t{1} << 40)) return InvalidArgument("tensors: {} elements, more than 2^40", total);
+  auto opt = Optimizer::Create(optimizer);
+  if (!opt.ok()) return opt.status();
+  v1::ConsistencyConfig normal = consistency;
+  if (normal.mode() == v1::CONSISTENCY_MODE_UNSPECIFIED) normal.set_mode(v1::CONSISTENCY_MODE_SYNC);
+  if (!v1::ConsistencyMode_IsValid(normal.mode())) {
+    return InvalidArgument("consistency.mode: {} is not a known mode", static_cast<int>(normal.mode()));
+  }
+  if (normal.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS &&
+      (normal.staleness_bound() < 1 || normal.staleness_bound() > 1'000'000)) {
+    return InvalidArgument("consistency.staleness_bound: {} must be 1 to 1,000,000 in bounded-staleness mode",
+                           normal.staleness_bound());
+  }
+  if (!IsSync(normal)) {
+    normal.set_staleness_bound(normal.mode() == v1::CONSISTENCY_MODE_ASYNC ? 0 : normal.staleness_bound());
+    if (opt->max_grad_norm() > 0) {
+      return InvalidArgument(
+          "optimizer.max_grad_norm: global gradient-norm clipping needs whole steps, so it works only in "
+          "CONSISTENCY_MODE_SYNC (the job asks for {} mode)",
+          ModeName(normal.mode()));
+    }
+  } else {
+    normal.set_staleness_bound(0);
+  }
+
+  std::lock_guard lock(mu_);
+  if (map_.parameter_count() != 0 && total != map_.parameter_count()) {
+    return InvalidArgument("tensors: {} elements in all, but the job's parameter space has {}", total,
+                           map_.parameter_count());
+  }
+  if (configured_) {
+    if (job_id != job_id_) return FailedPrecondition("this server serves job '{}', not '{}'", job_id_, job_id);
+    if (Fingerprint(tensors) != fingerprint_ || tensors.size() != tensors_.size()) {
+      return FailedPrecondition("tensors: the tensor table differs from the one the job was initialised with");
+    }
+    if (optimizer.SerializeAsString() != optimizer_config_.SerializeAsString()) {
+      return FailedPrecondition("optimizer: differs from the configuration the job was initialised with");
+    }
+    if (normal.SerializeAsString() != consistency_.SerializeAsString()) {
+      return FailedPrecondition("consistency: differs from the mode the job was initialised with ({})",
+                                ModeName(consistency_.mode()));
+    }
+    return Status::Ok();
+  }
+  configured_ = true;
+  job_id_ = job_id;
+  tensors_ = tensors;
+  tensor_offsets_.clear();
+  uint64_t offset = 0;
+  for (const auto& t : tensors_) {
+    tensor_offsets_.push_back(offset);
+    offset += TensorElements(t);
+  }
+  fingerprint_ = Fingerprint(tensors);
+  optimizer_.emplace(std::move(opt).value());
+  optimizer_config_ = optimizer;
+  consistency_ = normal;
+  opt_.store(&*optimizer_);
+  mode_.store(normal.mode());
+  bound_.store(normal.staleness_bound());
+  for (auto& [id, part] : parts_) {
+    std::lock_guard plock(part->mu);
+    part->segments = SegmentsFor(part->state.begin, part->state.end);
+  }
+  spdlog::info("job '{}': {} tensors, {} elements, optimizer {}, {} mode", job_id, tensors.size(), total,
+               optimizer_->name(), ModeName(consistency_.mode()));
+  return Status::Ok();
+}
+
+Result<ParameterStore::JobIdentity> ParameterStore::Identity() const {
+  std::lock_guard lock(mu_);
+  if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
+  JobIdentity id;
+  id.job_id = job_id_;
+  id.parameter_count = map_.parameter_count();
+  id.partition_size = map_.partition_size();
+  id.fingerprint = fingerprint_;
+  id.optimizer = std::string(optimizer_->name());
+  id.state_buffers = optimizer_->state_buffers();
+  return id;
+}
+
+Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::InitializeParametersRequest& request) {
+  if (request.epoch() == 0) return InvalidArgument("epoch: must be >= 1");
+  {
+    std::lock_guard lock(mu_);
+    if (request.epoch() < epoch_) {
+      return FailedPrecondition("epoch: {} is stale, this server is at epoch {}; use the current shard map",
+                                request.epoch(), epoch_);
+    }
+    if (request.epoch() > epoch_) {
+      return Unavailable("epoch: this server has not reached epoch {} yet (it is at {}); retry", request.epoch(),
+                         epoch_);
+    }
+  }
+  TANDEM_RETURN_IF_ERROR(Configure(request.job_id(), request.tensors(), request.optimizer(), request.consistency()));
+
+  // Which partitions.
+  std::vector<uint32_t> held = Held(false);
+  std::vector<uint32_t> ids;
+  if (request.partition_ids().empty()) {
+    ids = held;
+  } else {
+    for (uint32_t id : request.partition_ids()) {
+      if (!std::binary_search(held.begin(), held.end(), id)) {
+        std::lock_guard lock(mu_);
+        if (id >= static_cast<uint32_t>(map_.partitions_size())) {
+          return NotFound("partition_ids: partition {} does not exist (the job has {})", id, map_.partitions_size());
+        }
+        return FailedPrecondition("partition_ids: partition {} is not held by this server (member {}) in epoch {}", id,
+                                  member_id_, epoch_);
+      }
+      ids.push_back(id);
+    }
+    std::sort(ids.begin(), ids.end());
+    ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  }
+
+  int buffers = 0;
+  uint64_t parameter_count = 0;
+  {
+    std::lock_guard lock(mu_);
+    buffers = optimizer_->state_buffers();
+    parameter_count = map_.parameter_count();
+  }
+  // Build every partition's initial state before touching any.
+  std::vector<PartitionState> fresh;
+  fresh.reserve(ids.size());
+  for (uint32_t id : ids) {
+    TANDEM_ASSIGN_OR_RETURN(auto range, RangeOf(id));
+    PartitionState s;
+    s.id = id;
+    s.begin = range.first;
+    s.end = range.second;
+    fresh.push_back(std::move(s));
+  }
+  if (request.source_case() == v1::InitializeParametersRequest::kValues) {
+    const auto& chunks = request.values().chunks();
+    if (chunks.size() > 4096) return InvalidArgument("values.chunks: {} chunks, at most 4096", chunks.size());
+    // Coverage per partition, checked for overlaps.
+    std::vector<std::vector<std::pair<uint64_t, uint64_t>>> covered(fresh.size());
+    for (auto& s : fresh) s.weights.assign(s.size(), 0.0f);
+    for (int c = 0; c < chunks.size(); ++c) {
+      const auto& chunk = chunks[c];
+      const uint64_t b = chunk.range().begin(), e = chunk.range().end();
+      if (e < b || e > parameter_count) {
+        return InvalidArgument("values.chunks[{}].range: [{}, {}) is not within the parameter space [0, {})", c, b, e,
+                               parameter_count);
+      }
+      if (chunk.dtype() != v1::DTYPE_FLOAT32 && chunk.dtype() != v1::DTYPE_FLOAT16 &&
+          chunk.dtype() != v1::DTYPE_BFLOAT16) {
+        return InvalidArgument("values.chunks[{}].dtype: {} is not FLOAT32, FLOAT16 or BFLOAT16", c,
+                               v1::DType_Name(chunk.dtype()));
+      }
+      const size_t width = ValueBytes(chunk.dtype());
+      if (chunk.data().size() != (e - b) * width) {
+        return InvalidArgument("values.chunks[{}].data: {} bytes, expected {} ({} elements of {} bytes)", c,
+                               chunk.data().size(), (e - b) * width, e - b, width);
+      }
+      for (size_t i = 0; i < fresh.size(); ++i) {
+        auto& s = fresh[i];
+        const uint64_t lo = std::max(b, s.begin), hi = std::min(e, s.end);
+        if (lo >= hi) continue;
+        for (auto [cb, ce] : covered[i]) {
+          if (lo < ce && cb < hi) {
+            return InvalidArgument("values.chunks[{}]: elements [{}, {}) are covered twice", c, std::max(lo, cb),
+                                   std::min(hi, ce));
+          }
+        }
+        covered[i].emplace_back(lo, hi);
+        WidenValues(chunk.dtype(), chunk.data().data() + (lo - b) * width, s.weights.data() + (lo - s.begin), hi - lo);
+      }
+    }
+    for (size_t i = 0; i < fresh.size(); ++i) {
+      uint64_t n = 0;
+      for (auto [cb, ce] : covered[i]) n += ce - cb;
+      if (n != fresh[i].size()) {
+        return InvalidArgument("values: partition {} ([{}, {})) is not fully covered: {} of {} elements given",
+                               fresh[i].id, fresh[i].begin, fresh[i].end, n, fresh[i].size());
+      }
+      fresh[i].version = 1;
+      fresh[i].step = 0;
+      if (buffers >= 1) fresh[i].state0.assign(fresh[i].size(), 0.0f);
+      if (buffers >= 2) fresh[i].state1.assign(fresh[i].size(), 0.0f);
+    }
+  } else if (request.source_case() == v1::InitializeParametersRequest::kCheckpointPath) {
+    const std::string& path = request.checkpoint_path();
+    if (path.empty() || path.size() > 4096) return InvalidArgument("checkpoint_path: must be 1 to 4096 bytes");
+    TANDEM_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(path));
+    TANDEM_ASSIGN_OR_RETURN(auto identity, Identity());
+    const auto& meta = reader.meta();
+    if (meta.tensor_fingerprint != identity.fingerprint || meta.parameter_count != identity.parameter_count) {
+      return FailedPrecondition("checkpoint_path: {} holds a different parameter space ({} elements) than the job ({})",
+                                path, meta.parameter_count, identity.parameter_count);
+    }
+    const bool with_state =
+        meta.optimizer == identity.optimizer && static_cast<int>(meta.state_buffers) == identity.state_buffers;
+    if (!with_state) {
+      spdlog::warn("checkpoint {} was written with optimizer {}, the job uses {}: weights only, fresh optimizer state",
+                   path, meta.optimizer, identity.optimizer);
+    }
+    for (auto& s : fresh) {
+      TANDEM_ASSIGN_OR_RETURN(PartitionState loaded, reader.Read(s.id, s.begin, s.end, with_state));
+      s = std::move(loaded);
+      if (s.version == 0) s.version = 1;
+      if (!with_state) {
+        s.state0.assign(buffers >= 1 ? s.size() : 0, 0.0f);
+        s.state1.assign(buffers >= 2 ? s.size() : 0, 0.0f);
+      }
+    }
+  } else {
+    return InvalidArgument("source: set either values or checkpoint_path");
+  }
+
+  v1::InitializeParametersResponse response;
+  for (auto& s : fresh) {
+    auto part = Find(s.id);
+    if (!part) return FailedPrecondition("partition {} is no longer held by this server", s.id);
+    auto* out = response.add_partitions();
+    out->set_partition_id(s.id);
+    std::lock_guard plock(part->mu);
+    if (part->state.version == 0) {
+      part->state.weights = std::move(s.weights);
+      part->state.state0 = std::move(s.state0);
+      part->state.state1 = std::move(s.state1);
+      part->state.version = s.version;
+      part->state.step = s.step;
+      part->safe_step = s.step;
+      out->set_newly_initialized(true);
+    }
+    out->set_version(part->state.version);
+    out->set_step(part->state.step);
+  }
+  return response;
+}
+
+v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partition_ids) const {
+  v1::GetStatsResponse response;
+  std::vector<std::shared_ptr<Part>> parts;
+  {
+    std::lock_guard lock(mu_);
+    response.set_member_id(member_id_);
+    response.set_epoch(epoch_);
+    if (configured_) {
+      response.set_optimizer(std::string(optimizer_->name()));
+      *response.mutable_consistency() = consistency_;
+    }
+    for (auto& [id, part] : parts_) {
+      if (partition_ids.empty() || std::find(partition_ids.begin(), partition_ids.end(), id) != partition_ids.end()) {
+        parts.push_back(part);
+      }
+    }
+  }
+  uint64_t min_step = UINT64_MAX;
+  uint64_t bytes = 0;
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    auto* s = response.add_partitions();
+    s->set_partition_id(part->state.id);
+    s->mutable_range()->set_begin(part->state.begin);
+    s->mutable_range()->set_end(part->state.end);
+    s->set_role(part->role);
+    s->set_version(part->state.version);
+    s->set_step(part->state.step);
+    s->set_bytes_pushed(part->bytes_pushed);
+    s->set_bytes_pulled(part->bytes_pulled);
+    s->set_pushes(part->pushes);
+    s->set_pulls(part->pulls_served);
+    s->set_replication_lag(part->role == v1::REPLICA_ROLE_PRIMARY && part->state.step > part->safe_step
+                               ? part->state.step - part->safe_step
+                               : 0);
+    if (part->role == v1::REPLICA_ROLE_PRIMARY) min_step = std::min(min_step, part->state.step);
+    bytes += (part->state.weights.size() + part->state.state0.size() + part->state.state1.size()) * sizeof(float);
+  }
+  response.set_step(min_step == UINT64_MAX ? 0 : min_step);
+  response.set_skipped_steps(counters_.skipped_steps.load());
+  response.set_state_bytes(bytes);
+  return response;
+}
+
+uint64_t ParameterStore::ReplicationLag() const {
+  std::vector<std::shared_ptr<Part>> parts;
+  {
+    std::lock_guard lock(mu_);
+    for (auto& [id, part] : parts_) parts.push_back(part);
+  }
+  uint64_t lag = 0;
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    if (part->role == v1::REPLICA_ROLE_PRIMARY && part->state.step > part->safe_step) {
+      lag += part->state.step - part->safe_step;
+    }
+  }
+  return lag;
+}
+
+Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::milliseconds timeout) {
+  auto request = std::make_shared<CaptureRequest>();
+  std::vector<std::shared_ptr<Part>> parts;
+  std::unique_lock lock(mu_);
+  if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
+  for (auto& [id, part] : parts_) {
+    std::lock_guard plock(part->mu);
+    if (part->role == v1::REPLICA_ROLE_PRIMARY) parts.push_back(part);
+  }
+  if (parts.empty()) return Capture{step, {}};
+  uint64_t lo = UINT64_MAX, hi = 0;
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    if (part->state.version == 0) {
+      return FailedPrecondition("partition {} has no state (it was never initialised or was lost)", part->state.id);
+    }
+    lo = std::min(lo, part->state.step);
+    hi = std::max(hi, part->state.step);
+  }
+  if (step == 0) {
+    if (lo != hi) {
+      return FailedPrecondition(
+          "step: 0 asks for the current step, but this server's partitions are between steps "
+          "{} and {}; name a step (or pause training)",
+          lo, hi);
+    }
+    step = lo;
+  }
+  if (hi > step) {
+    return FailedPrecondition("step: this server has already completed step {}, past the requested step {}", hi, step);
+  }
+  request->step = step;
+  request->result.step = step;
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    request->expected.insert(part->state.id);
+    if (part->state.step == step) request->result.partitions.push_back(part->state);
+  }
+  if (!request->done()) {
+    captures_.push_back(request);
+    const bool ok = changed_.wait_for(lock, timeout, [&] { return request->done(); });
+    captures_.erase(std::remove(captures_.begin(), captures_.end(), request), captures_.end());
+    if (!ok) {
+      return DeadlineExceeded("step {} was not reached within {} ms ({} of {} partitions there)", step, timeout.count(),
+                              request->result.partitions.size(), request->expected.size());
+    }
+  }
+  if (!request->failed.ok()) return request->failed;
+  std::sort(request->result.partitions.begin(), request->result.partitions.end(),
+            [](const PartitionState& a, const PartitionState& b) { return a.id < b.id; });
+  return std::move(request->result);
+}
+
+void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
+  // Called without part locks held; copies state for waiting captures.
+  std::shared_ptr<Part> part;
+  {
+    std::lock_guard lock(mu_);
+    bool wanted = false;
+    for (auto& c : captures_) wanted = wanted || (c->step == step && c->expected.count(partition) > 0);
+    if (wanted) {
+      auto it = parts_.find(partition);
+      if (it != parts_.end()) part = it->second;
+      if (part) {
+        std::lock_guard plock(part->mu);
+        for (auto& c : captures_) {
+          if (c->step != step || c->expected.count(partition) == 0 || !c->failed.ok()) continue;
+          if (part->state.step == step) {
+            c->result.partitions.push_back(part->state);
+          } else {
+            c->failed =
+                FailedPrecondition("partition {} moved past step {} before it could be captured", partition, step);
+          }
+        }
+      }
+    }
+  }
+  changed_.notify_all();
+}
+
+Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_optimizer_state) {
+  int buffers = 0;
+  {
+    std::lock_guard lock(mu_);
+    if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
+    buffers = optimizer_->state_buffers();
+  }
+  std::vector<std::shared_ptr<Part>> parts;
+  for (auto& s : states) {
+    auto part = Find(s.id);
+    if (!part) return FailedPrecondition("partition {} is not held by this server", s.id);
+    std::lock_guard plock(part->mu);
+    if (part->state.begin != s.begin || part->state.end != s.end || s.weights.size() != s.size()) {
+      return InvalidArgument("partition {}: restored range [{}, {}) does not match [{}, {})", s.id, s.begin, s.end,
+                             part->state.begin, part->state.end);
+    }
+    parts.push_back(part);
+  }
+  Actions actions;
+  for (size_t i = 0; i < states.size(); ++i) {
+    auto& s = states[i];
+    Part& part = *parts[i];
+    std::lock_guard plock(part.mu);
+    if (skip_optimizer_state || s.state0.size() != (buffers >= 1 ? s.size() : 0) ||
+        s.state1.size() != (buffers >= 2 ? s.size() : 0)) {
+      s.state0.assign(buffers >= 1 ? s.size() : 0, 0.0f);
+      s.state1.assign(buffers >= 2 ? s.size() : 0, 0.0f);
+    }
+    part.state.weights = std::move(s.weights);
+    part.state.state0 = std::move(s.state0);
+    part.state.state1 = std::move(s.state1);
+    part.state.version = std::max<uint64_t>(1, s.version);
+    part.state.step = s.step;
+    part.safe_step = s.step;
+    part.agg_epoch = 0;
+    part.ready = false;
+    part.early.clear();
+    for (auto& pull : part.pulls) {
+      std::vector<char> payload;
+      ps::Frame reply =
+          ErrorReply(pull.header, ps::FrameType::kPullReply,
+                     Aborted("partition {} was restored from a checkpoint (step {})", s.id, s.step), &payload);
+      actions.push_back(
+          [r = std::move(pull.reply), reply, payload = std::move(payload)]() mutable { r(reply, std::move(payload)); });
+    }
+    part.pulls.clear();
+  }
+  Run(actions);
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------------------
+// Data plane
+// ---------------------------------------------------------------------------
+
+Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(const ps::Frame& h, bool primary) const {
+  std::lock_guard lock(mu_);
+  if (!configured_) return FailedPrecondition("the job has not been initialised on this server (InitializeParameters)");
+  if (h.epoch < epoch_) {
+    return FailedPrecondition("epoch {} is stale: this server is at epoch {}; rebuild with the current shard map",
+                              h.epoch, epoch_);
+  }
+  if (h.epoch > epoch_)
+    return Unavailable("this server has not reached epoch {} yet (it is at {}); retry", h.epoch, epoch_);
+  auto it = parts_.find(h.partition);
+  if (it == parts_.end()) {
+    if (h.partition >= static_cast<uint32_t>(map_.partitions_size())) {
+      return NotFound("partition {} does not exist (the job has {})", h.partition, map_.partitions_size());
+    }
+    return FailedPrecondition("partition {} is not held by this server (member {}) in epoch {}", h.partition,
+                              member_id_, epoch_);
+  }
+  std::lock_guard plock(it->second->mu);
+  const Part& part = *it->second;
+  if (primary && part.role != v1::REPLICA_ROLE_PRIMARY) {
+    return FailedPrecondition("this server (member {}) is not the primary of partition {} in epoch {} (member {} is)",
+                              member_id_, h.partition, epoch_, part.primary);
+  }
+  if (part.state.version == 0) {
+    return FailedPrecondition(
+        "partition {} has no state on this server: it was never initialised, or its primary and backup were both "
+        "lost (restore it from a checkpoint)",
+        h.partition);
+  }
+  return it->second;
+}
+
+void ParameterStore::FoldLocked(Part& part, uint32_t contributor, uint16_t dtype, const void* data) {
+  (void)contributor;
+  AccumulateWire(part.acc->data(), data, Wire(dtype), part.acc->size(), part.folded == 0);
+  ++part.folded;
+  while (!part.early.empty() && part.early.begin()->first == part.folded) {
+    auto node = part.early.extract(part.early.begin());
+    AccumulateWire(part.acc->data(), node.mapped().second.data(), Wire(node.mapped().first), part.acc->size(), false);
+    ++part.folded;
+  }
+}
+
+void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
+  counters_.pushes.fetch_add(1);
+  counters_.push_bytes.fetch_add(h.payload_bytes);
+  auto refuse = [&](const Status& status) {
+    counters_.rejected_pushes.fetch_add(1);
+    std::vector<char> body;
+    ps::Frame r =
+        ErrorReply(h, ps::FrameType::kPushReply,
+                   status.WithContext(fmt::format("push of partition {} step {}", h.partition, h.step)), &body);
+    reply(r, std::move(body));
+  };
+  auto checked = CheckDataFrame(h, /*primary=*/true);
+  if (!checked.ok()) return refuse(checked.status());
+  std::shared_ptr<Part> part = *checked;
+  if (!ValidWireDType(h.dtype)) return refuse(InvalidArgument("dtype {} is not a wire dtype", h.dtype));
+  if (h.contributors == 0 || h.contributors > kMaxContributors) {
+    return refuse(InvalidArgument("contributors: {} must be 1 to {}", h.contributors, kMaxContributors));
+  }
+  if (h.contributor >= h.contributors) {
+    return refuse(InvalidArgument("contributor {} is not below contributors ({})", h.contributor, h.contributors));
+  }
+  if (h.step == 0) return refuse(InvalidArgument("step: must be >= 1 (step 1 is the first update)"));
+
+  v1::ConsistencyConfig consistency;
+  v1::NonFinitePolicy policy;
+  uint32_t dp;
+  uint64_t epoch, start_step;
+  {
+    std::lock_guard lock(mu_);
+    consistency = consistency_;
+    policy = optimizer_->non_finite_policy();
+    dp = dp_size_;
+    epoch = epoch_;
+    start_step = start_step_;
+  }
+  Actions actions;
+  ps::Frame ok = ps::ReplyTo(h, ps::FrameType::kPushReply);
+  std::unique_lock plock(part->mu);
+  const size_t n = part->state.size();
+  if (h.payload_bytes != WireBytes(Wire(h.dtype), n)) {
+    plock.unlock();
+    return refuse(InvalidArgument("payload is {} bytes, partition {} needs {} ({} elements of {})", h.payload_bytes,
+                                  h.partition, WireBytes(Wire(h.dtype), n), n, v1::WireDType_Name(Wire(h.dtype))));
+  }
+  part->pushes++;
+  part->bytes_pushed += h.payload_bytes;
+
+  if (IsSync(consistency)) {
+    if (h.step <= part->state.step) {
+      counters_.duplicate_pushes.fetch_add(1);
+      ok.flags = ps::kFlagDuplicate;
+      const bool retried = h.step == part->state.step;
+      plock.unlock();
+      reply(ok, {});
+      // A step retried in a new epoch that this partition already applied:
+      // its share is still needed by the servers that did not.
+      if (retried) MaybeShare(epoch, h.step, actions);
+      Run(actions);
+      return;
+    }
+    if (h.step > part->state.step + 1) {
+      plock.unlock();
+      return refuse(FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}",
+                                       h.step, h.partition, part->state.step, part->state.step + 1));
+    }
+    if (part->agg_epoch != epoch || part->agg_step != h.step) {
+      part->agg_epoch = epoch;
+      part->agg_step = h.step;
+      part->contributors = h.contributors;
+      part->folded = 0;
+      part->seen.assign(h.contributors, false);
+      part->early.clear();
+      part->ready = false;
+      if (!part->acc || part->acc.use_count() > 1 || part->acc->size() != n) {
+        part->acc = std::make_shared<std::vector<float>>(n);
+      }
+      part->first_push = std::chrono::steady_clock::now();
+    }
+    if (h.contributors != part->contributors) {
+      plock.unlock();
+      return refuse(InvalidArgument("contributors: this push says {}, earlier pushes of the step said {}",
+                                    h.contributors, part->contributors));
+    }
+    if (part->seen[h.contributor]) {
+      counters_.duplicate_pushes.fetch_add(1);
+      ok.flags = ps::kFlagDuplicate;
+      plock.unlock();
+      return reply(ok, {});
+    }
+    if (policy == v1::NON_FINITE_POLICY_FAIL) {
+      std::vector<float> widened(n);
+      AccumulateWire(widened.data(), payload, Wire(h.dtype), n, true);
+      if (!ScanGradient(widened.data(), n).finite) {
+        plock.unlock();
+        spdlog::error(
+            "partition {} step {}: contributor {} (member {}) pushed NaN or Inf; the step is refused "
+            "(non_finite_policy FAIL): training stops until an operator intervenes",
+            h.partition, h.step, h.contributor, from);
+        return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses the step)"));
+      }
+    }
+    part->seen[h.contributor] = true;
+    if (h.contributor == part->folded) {
+      FoldLocked(*part, h.contributor, h.dtype, payload);
+    } else {
+      const auto* bytes = static_cast<const char*>(payload);
+      part->early.emplace(h.contributor, std::make_pair(h.dtype, std::vector<char>(bytes, bytes + h.payload_bytes)));
+    }
+    const bool ready = part->folded == part->contributors;
+    if (ready) {
+      part->ready = true;
+      const GradScan scan = ScanGradient(part->acc->data(), n);
+      part->last_share = ps::ShareEntry{h.partition, scan.finite ? 1u : 0u, scan.sum_squares};
+    }
+    plock.unlock();
+    reply(ok, {});
+    if (ready) {
+      MaybeShare(epoch, h.step, actions);
+      Run(actions);
+    }
+    return;
+  }
+
+  // Asynchronous and bounded staleness: apply now.
+  if (part->clocks.size() != h.contributors) part->clocks.assign(h.contributors, start_step);
+  if (h.step <= part->clocks[h.contributor]) {
+    counters_.duplicate_pushes.fetch_add(1);
+    ok.flags = ps::kFlagDuplicate;
+    plock.unlock();
+    return reply(ok, {});
+  }
+  const uint64_t slowest = *std::min_element(part->clocks.begin(), part->clocks.end());
+  if (consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS &&
+      h.step > slowest + consistency.staleness_bound() + 1) {
+    plock.unlock();
+    return refuse(FailedPrecondition(
+        "step {} is from the future: the slowest contributor has pushed step {} and the staleness bound is {}", h.step,
+        slowest, consistency.staleness_bound()));
+  }
+  auto grad = std::make_shared<std::vector<float>>(n);
+  AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
+  part->clocks[h.contributor] = h.step;
+  counters_.staleness_last.store(part->state.step > h.step - 1 ? part->state.step - (h.step - 1) : 0);
+  const GradScan scan = ScanGradient(grad->data(), n);
+  ps::Frame rep;
+  rep.type = ps::FrameType::kReplica;
+  rep.partition = h.partition;
+  rep.epoch = epoch;
+  rep.version = part->state.version;
+  if (!scan.finite) {
+    if (policy == v1::NON_FINITE_POLICY_FAIL) {
+      part->clocks[h.contributor] = h.step - 1;
+      plock.unlock();
+      return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
+    }
+    counters_.skipped_steps.fetch_add(1);
+    rep.flags = ps::kFlagSkip;
+    part->state.step += 1;
+    grad.reset();
+    ok.flags = ps::kFlagSkip;
+  } else {
+    rep.value = opt_.load()->reduction() == v1::GRADIENT_REDUCTION_SUM ? 1.0 : 1.0 / dp;
+    ApplyLocked(*part, grad->data(), rep.value);
+    part->state.step += 1;
+  }
+  rep.step = part->state.step;
+  ok.step = part->state.step;
+  ok.version = part->state.version;
+  part->push_acks.emplace_back(part->state.step, [reply, ok](ps::Frame r, std::vector<char> body) {
+    if (r.status == 0) r = ok;
+    reply(r, std::move(body));
+  });
+  ReplicateLocked(*part, rep, grad, actions);
+  ServePullsLocked(*part, actions);
+  const uint64_t completed = part->state.step;
+  plock.unlock();
+  Run(actions);
+  StepCompleted(h.partition, completed);
+}
+
+void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale) {
+  const auto start = std::chrono::steady_clock::now();
+  const uint64_t update_index = part.state.version - 1;
+  float* w = part.state.weights.data();
+  float* s0 = part.state.state0.empty() ? nullptr : part.state.state0.data();
+  float* s1 = part.state.state1.empty() ? nullptr : part.state.state1.data();
+  const Optimizer* opt = opt_.load();
+  for (const Segment& seg : part.segments) {
+    pool_->ParallelFor(seg.count, kApplyGrain, [&](size_t b, size_t e) {
+      const size_t o = seg.offset + b;
+      opt->Apply(w + o, s0 ? s0 + o : nullptr, s1 ? s1 + o : nullptr, grad + o, e - b, update_index, seg.group,
+                 grad_scale);
+    });
+  }
+  part.state.version += 1;
+  counters_.updates.fetch_add(1);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  counters_.update_seconds.fetch_add(seconds);
+}
+
+void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions) {
+  std::lock_guard lock(mu_);
+  if (epoch != epoch_) return;
+  Round& round = rounds_[{epoch, step}];
+  if (round.shared) return;
+  std::vector<ps::ShareEntry> entries;
+  for (auto& [id, part] : parts_) {
+    std::lock_guard plock(part->mu);
+    if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
+    if (part->state.step == step) {
+      entries.push_back(part->last_share);  // decided before: share again
+    } else if (part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready) {
+      entries.push_back(part->last_share);
+    } else {
+      return;  // still aggregating
+    }
+  }
+  round.shared = true;
+  for (const auto& e : entries) round.entries.emplace(e.partition, e);
+  if (other_servers_) {
+    actions.push_back([this, epoch, step, entries = std::move(entries)] { links_->SendShare(epoch, step, entries); });
+  }
+  MaybeDecide(epoch, step, actions);
+}
+
+void ParameterStore::Share(uint64_t from, const ps::Frame& h, const void* payload) {
+  const size_t n = h.contributors;
+  if (h.payload_bytes != n * sizeof(ps::ShareEntry)) {
+    spdlog::warn("member {} sent a step share of {} bytes for {} entries; ignored", from, h.payload_bytes, n);
+    return;
+  }
+  std::vector<ps::ShareEntry> entries(n);
+  if (n > 0) std::memcpy(entries.data(), payload, n * sizeof(ps::ShareEntry));
+  Actions actions;
+  {
+    std::lock_guard lock(mu_);
+    if (h.epoch < epoch_) return;
+    Round& round = rounds_[{h.epoch, h.step}];
+    for (const auto& e : entries) round.entries.emplace(e.partition, e);
+    if (h.epoch == epoch_) MaybeDecide(h.epoch, h.step, actions);
+  }
+  Run(actions);
+}
+
+void ParameterStore::MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions) {
+  auto it = rounds_.find({epoch, step});
+  if (it == rounds_.end() || it->second.decided || !it->second.shared) return;
+  if (it->second.entries.size() < static_cast<size_t>(map_.partitions_size())) return;
+  it->second.decided = true;
+  Decide(epoch, step, it->second, actions);
+  rounds_.erase(it);
+  // Older rounds of this epoch can no longer matter.
+  for (auto r = rounds_.begin(); r != rounds_.end();) {
+    r = (r->first.first == epoch && r->first.second < step) ? rounds_.erase(r) : std::next(r);
+  }
+}
+
+void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions) {
+  double total = 0;
+  bool finite = true;
+  for (const auto& [id, e] : round.entries) {
+    total += e.sum_squares;
+    finite = finite && e.finite != 0;
+  }
+  finite = finite && std::isfinite(total);
+  const double divisor = optimizer_->reduction() == v1::GRADIENT_REDUCTION_SUM ? 1.0 : static_cast<double>(dp_size_);
+  double coef = 1.0;
+  const double max_norm = optimizer_->max_grad_norm();
+  const double norm = std::sqrt(total) / divisor;
+  if (finite && max_norm > 0 && norm > max_norm) coef = max_norm / (norm + 1e-6);
+  const bool skip = !finite;
+  if (skip) {
+    counters_.skipped_steps.fetch_add(1);
+    spdlog::warn(
+        "step {}: the gradient holds NaN or Inf; the step is skipped on every server (non_finite_policy "
+        "SKIP_STEP)",
+        step);
+  }
+  std::vector<std::shared_ptr<Part>> parts;
+  for (auto& [id, part] : parts_) {
+    std::lock_guard plock(part->mu);
+    if (part->role == v1::REPLICA_ROLE_PRIMARY && part->agg_epoch == epoch && part->agg_step == step && part->ready &&
+        part->state.step + 1 == step) {
+      parts.push_back(part);
+      counters_.aggregation_seconds.fetch_add(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - part->first_push).count());
+    }
+  }
+  const double grad_scale = coef / divisor;
+  actions.push_back([this, parts = std::move(parts), epoch, step, skip, grad_scale]() mutable {
+    ApplyDecision(std::move(parts), epoch, step, skip, grad_scale);
+  });
+}
+
+void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
+                                   double grad_scale) {
+  Actions actions;
+  std::vector<uint32_t> completed;
+  for (auto& part : parts) {
+    std::lock_guard plock(part->mu);
+    if (part->agg_epoch != epoch || part->agg_step != step || !part->ready || part->state.step + 1 != step) continue;
+    ps::Frame rep;
+    rep.type = ps::FrameType::kReplica;
+    rep.partition = part->state.id;
+    rep.epoch = epoch;
+    rep.step = step;
+    rep.version = part->state.version;
+    rep.value = grad_scale;
+    std::shared_ptr<const std::vector<float>> grad;
+    if (skip) {
+      rep.flags = ps::kFlagSkip;
+    } else {
+      ApplyLocked(*part, part->acc->data(), grad_scale);
+      grad = part->acc;
+    }
+    part->state.step = step;
+    part->ready = false;
+    part->agg_epoch = 0;
+    ReplicateLocked(*part, rep, grad, actions);
+    completed.push_back(part->state.id);
+  }
+  Run(actions);
+  for (uint32_t id : completed) StepCompleted(id, step);
+}
+
+void ParameterStore::ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad,
+                                     Actions& actions) {
+  if (part.backup == 0) {
+    part.safe_step = part.state.step;
+    ServePullsLocked(part, actions);
+    return;
+  }
+  if (part.needs_transfer) {
+    // The backup has not got the state yet; the transfer carries this update.
+    if (part.links_ready) SendTransferLocked(part, actions);
+    return;
+  }
+  ++part.replicating;
+  const uint32_t id = part.state.id;
+  const uint64_t step = header.step;
+  const uint64_t epoch = header.epoch;
+  const uint64_t backup = part.backup;
+  actions.push_back([this, backup, header, grad = std::move(grad), id, step, epoch] {
+    links_->SendToBackup(backup, header, grad,
+                         [this, id, step, epoch](const Status& status) { OnReplicated(id, step, epoch, status); });
+  });
+}
+
+void ParameterStore::SendTransferLocked(Part& part, Actions& actions) {
+  part.needs_transfer = false;
+  auto blob = std::make_shared<std::vector<float>>();
+  blob->reserve(part.state.size() * 3);
+  blob->insert(blob->end(), part.state.weights.begin(), part.state.weights.end());
+  blob->insert(blob->end(), part.state.state0.begin(), part.state.state0.end());
+  blob->insert(blob->end(), part.state.state1.begin(), part.state.state1.end());
+  ps::Frame header;
+  header.type = ps::FrameType::kTransfer;
+  header.partition = part.state.id;
+  header.step = part.state.step;
+  header.version = part.state.version;
+  header.contributors =
+      static_cast<uint32_t>((part.state.state0.empty() ? 0 : 1) + (part.state.state1.empty() ? 0 : 1));
+  ++part.replicating;
+  counters_.transfers_sent.fetch_add(1);
+  const uint32_t id = part.state.id;
+  const uint64_t step = part.state.step;
+  const uint64_t backup = part.backup;
+  spdlog::info("partition {}: sending its state (version {}, step {}) to its new backup, member {}", id,
+               part.state.version, step, backup);
+  actions.push_back([this, backup, header, blob = std::move(blob), id, step]() mutable {
+    uint64_t epoch;
+    auto job = std::make_shared<std::string>();
+    {
+      std::lock_guard lock(mu_);
+      epoch = epoch_;
+      v1::InitializeParametersRequest request;
+      request.set_job_id(job_id_);
+      request.set_epoch(epoch_);
+      *request.mutable_tensors() = tensors_;
+      *request.mutable_optimizer() = optimizer_config_;
+      *request.mutable_consistency() = consistency_;
+      request.SerializeToString(job.get());
+    }
+    links_->SendJob(backup, std::move(job));
+    header.epoch = epoch;
+    links_->SendToBackup(backup, header, std::move(blob),
+                         [this, id, step, epoch](const Status& status) { OnReplicated(id, step, epoch, status); });
+  });
+}
+
+void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status) {
+  auto part = Find(partition);
+  if (!part) return;
+  Actions actions;
+  {
+    std::lock_guard plock(part->mu);
+    if (part->replicating > 0) --part->replicating;
+    if (status.ok()) {
+      counters_.replicas_applied.fetch_add(1);
+      part->safe_step = std::max(part->safe_step, step);
+      ServePullsLocked(*part, actions);
+    } else if (status.code() == StatusCode::kFailedPrecondition && epoch == this->epoch() &&
+               part->role == v1::REPLICA_ROLE_PRIMARY) {
+      spdlog::warn("partition {}: the backup refused an update ({}); sending it the whole state", partition,
+                   status.message());
+      if (part->links_ready) SendTransferLocked(*part, actions);
+    } else {
+      spdlog::warn("partition {}: replicating step {} failed: {} (waiting for the next epoch)", partition, step,
+                   status.ToString());
+    }
+  }
+  Run(actions);
+}
+
+void ParameterStore::AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) {
+  const size_t n = part.state.size();
+  const v1::WireDType dtype = Wire(pull.header.dtype);
+  std::vector<char> body(WireBytes(dtype, n));
+  EncodeWire(body.data(), part.state.weights.data(), dtype, n);
+  ps::Frame reply = ps::ReplyTo(pull.header, ps::FrameType::kPullReply);
+  reply.dtype = pull.header.dtype;
+  reply.step = part.state.step;
+  reply.version = part.state.version;
+  reply.payload_bytes = body.size();
+  part.bytes_pulled += body.size();
+  part.pulls_served++;
+  counters_.pull_bytes.fetch_add(body.size());
+  actions.push_back([r = pull.reply, reply, body = std::move(body)]() mutable { r(reply, std::move(body)); });
+}
+
+void ParameterStore::ServePullsLocked(Part& part, Actions& actions) {
+  // Deferred push acknowledgements (async modes): once the update is safe.
+  for (auto it = part.push_acks.begin(); it != part.push_acks.end();) {
+    if (part.safe_step >= it->first) {
+      actions.push_back([r = std::move(it->second)]() mutable { r(ps::Frame{}, {}); });
+      it = part.push_acks.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (part.pulls.empty()) return;
+  uint64_t slowest = 0;
+  const bool bounded = mode_.load() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
+  const uint32_t bound = bound_.load();
+  if (bounded && !part.clocks.empty()) slowest = *std::min_element(part.clocks.begin(), part.clocks.end());
+  for (auto it = part.pulls.begin(); it != part.pulls.end();) {
+    bool ready = part.safe_step >= it->target && part.state.step >= it->target && part.safe_step >= part.state.step;
+    if (bounded && !part.clocks.empty() && it->header.step > slowest + bound + 1) ready = false;
+    if (ready) {
+      AnswerPullLocked(part, *it, actions);
+      it = part.pulls.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
+  (void)from;
+  counters_.pulls.fetch_add(1);
+  auto refuse = [&](const Status& status) {
+    std::vector<char> body;
+    ps::Frame r =
+        ErrorReply(h, ps::FrameType::kPullReply,
+                   status.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)), &body);
+    reply(r, std::move(body));
+  };
+  auto checked = CheckDataFrame(h, /*primary=*/true);
+  if (!checked.ok()) return refuse(checked.status());
+  if (h.dtype != v1::WIRE_DTYPE_UNSPECIFIED && h.dtype != v1::WIRE_DTYPE_FP32 && h.dtype != v1::WIRE_DTYPE_BF16) {
+    return refuse(InvalidArgument("dtype {}: pulls return FP32 or BF16", h.dtype));
+  }
+  bool sync;
+  uint64_t start_step;
+  {
+    std::lock_guard lock(mu_);
+    sync = IsSync(consistency_);
+    start_step = start_step_;
+  }
+  std::shared_ptr<Part> part = *checked;
+  Actions actions;
+  {
+    std::lock_guard plock(part->mu);
+    PendingPull pull{h.partition, h, 0, std::move(reply)};
+    if (sync) {
+      if (h.step > part->state.step + 1) {
+        // Cannot be reached without a push of this puller's that has not come.
+      }
+      pull.target = h.step;
+    } else {
+      pull.target = part->state.step;
+      if (h.contributors > 0 && h.contributors <= kMaxContributors && part->clocks.size() != h.contributors) {
+        part->clocks.assign(h.contributors, start_step);
+      }
+    }
+    part->pulls.push_back(std::move(pull));
+    ServePullsLocked(*part, actions);
+  }
+  Run(actions);
+}
+
+void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
+  auto answer = [&](const Status& status) {
+    std::vector<char> body;
+    ps::Frame r = ps::ReplyTo(h, ps::FrameType::kReplicaReply);
+    if (!status.ok()) body = ps::ErrorPayload(r, status);
+    reply(r, std::move(body));
+  };
+  std::shared_ptr<Part> part;
+  {
+    std::lock_guard lock(mu_);
+    if (h.epoch != epoch_)
+      return answer(FailedPrecondition("update from epoch {}, this backup is at {}", h.epoch, epoch_));
+    auto it = parts_.find(h.partition);
+    if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
+    part = it->second;
+  }
+  std::unique_lock plock(part->mu);
+  if (part->role != v1::REPLICA_ROLE_BACKUP || part->primary != from) {
+    plock.unlock();
+    return answer(FailedPrecondition("this server is not the backup of partition {} for member {}", h.partition, from));
+  }
+  if (part->state.version == 0 || part->state.version != h.version || part->state.step + 1 != h.step) {
+    const Status diverged = FailedPrecondition(
+        "backup of partition {} is at version {} step {}, the update follows version {} and makes step {}", h.partition,
+        part->state.version, part->state.step, h.version, h.step);
+    plock.unlock();
+    return answer(diverged);
+  }
+  if ((h.flags & ps::kFlagSkip) == 0) {
+    if (h.payload_bytes != part->state.size() * sizeof(float)) {
+      plock.unlock();
+      return answer(InvalidArgument("update of partition {} is {} bytes, expected {}", h.partition, h.payload_bytes,
+                                    part->state.size() * sizeof(float)));
+    }
+    ApplyLocked(*part, static_cast<const float*>(payload), h.value);
+  }
+  part->state.step = h.step;
+  part->safe_step = h.step;
+  plock.unlock();
+  answer(Status::Ok());
+}
+
+void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
+  auto answer = [&](const Status& status) {
+    std::vector<char> body;
+    ps::Frame r = ps::ReplyTo(h, ps::FrameType::kTransferReply);
+    if (!status.ok()) body = ps::ErrorPayload(r, status);
+    reply(r, std::move(body));
+  };
+  std::shared_ptr<Part> part;
+  int buffers = 0;
+  {
+    std::lock_guard lock(mu_);
+    if (h.epoch != epoch_)
+      return answer(FailedPrecondition("state from epoch {}, this backup is at {}", h.epoch, epoch_));
+    if (!configured_) return answer(FailedPrecondition("the job is not configured on this backup yet"));
+    buffers = optimizer_->state_buffers();
+    auto it = parts_.find(h.partition);
+    if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
+    part = it->second;
+  }
+  std::unique_lock plock(part->mu);
+  if (part->role != v1::REPLICA_ROLE_BACKUP || part->primary != from) {
+    plock.unlock();
+    return answer(FailedPrecondition("this server is not the backup of partition {} for member {}", h.partition, from));
+  }
+  const size_t n = part->state.size();
+  if (static_cast<int>(h.contributors) != buffers || h.payload_bytes != n * (1 + buffers) * sizeof(float)) {
+    plock.unlock();
+    return answer(InvalidArgument("state of partition {} is {} bytes with {} buffers, expected {} with {}", h.partition,
+                                  h.payload_bytes, h.contributors, n * (1 + buffers) * sizeof(float), buffers));
+  }
+  const float* src = static_cast<const float*>(payload);
+  part->state.weights.assign(src, src + n);
+  part->state.state0.assign(buffers >= 1 ? src + n : src, buffers >= 1 ? src + 2 * n : src);
+  part->state.state1.assign(buffers >= 2 ? src + 2 * n : src, buffers >= 2 ? src + 3 * n : src);
+  part->state.version = h.version;
+  part->state.step = h.step;
+  part->safe_step = h.step;
+  counters_.transfers_received.fetch_add(1);
+  spdlog::info("partition {}: received its state from member {} (version {}, step {})", h.partition, from,
+               part->state.version, h.step);
+  plock.unlock();
+  answer(Status::Ok());
+}
+
+}  // namespace tandem::server
+
+namespace tandem::server {
+
+void ParameterStore::Job(uint64_t from, const void* payload, size_t bytes) {
+  v1::InitializeParametersRequest request;
+  if (!request.ParseFromArray(payload, static_cast<int>(bytes))) {
+    spdlog::warn("member {} sent a job configuration that does not parse; ignored", from);
+    return;
+  }
+  Status status = Configure(request.job_id(), request.tensors(), request.optimizer(), request.consistency());
+  if (!status.ok()) spdlog::warn("member {} sent a job configuration this server refuses: {}", from, status.ToString());
+}
+
+}  // namespace tandem::server

@@ -1,0 +1,324 @@
+// ParameterStore: the state and rules of one parameter server, independent
+// of how messages arrive (server/ps_node.h carries them over the transport
+// and gRPC; tests drive the store directly).
+//
+// What it holds: for the partitions the shard map gives this server (as
+// primary or backup), fp32 master weights, the optimizer state, a version and
+// the last step completed (PartitionState), plus the job's tensor table,
+// optimizer and consistency mode, which every initialisation must repeat.
+//
+// Synchronous steps (the default) are two-phase, so that a step is applied
+// on every server or on none:
+// 1. Aggregate. A primary folds the pushes of step s into the partition's
+//    accumulator in contributor order (a push that arrives early waits in a
+//    buffer until the ones before it are folded), so the reduced gradient is
+//    bit-identical whatever order the pushes came in. Duplicates (the same
+//    contributor again, or a step already applied) are acknowledged and
+//    ignored; pushes from another epoch are refused.
+// 2. Decide. Once all its primary partitions have every contribution, a
+//    server sends its share (per partition: sum of squares of the reduced
+//    gradient, and whether it is finite) to every other server. When a
+//    server holds a share for every partition of the map it decides, the
+//    same way on every server: skip the step if any gradient is not finite
+//    (NonFinitePolicy SKIP_STEP), else clip by the global norm (summed in
+//    partition order, so every server computes the same coefficient). Then
+//    it applies the update to its primaries, replicates it to their backups,
+//    and answers the pulls waiting for the step once the backup has applied
+//    it too. A single server decides alone.
+//
+// A membership change (new epoch) discards every step not yet decided:
+// accumulators are dropped, waiting pulls fail with ABORTED, and workers push
+// the step again in the new epoch. A step that was decided stays applied on
+// the partitions that applied it (their new pushes are duplicates) and is
+// applied from the new pushes on the rest, which gives the same result
+// because the gradients and the order of summation are the same.
+//
+// Asynchronous and bounded-staleness modes apply each push on arrival
+// (scaled like a mean over the data-parallel world), per partition; bounded
+// staleness makes a pull wait while its contributor is more than
+// staleness_bound steps ahead of the slowest one. Global gradient-norm
+// clipping needs whole steps, so those modes refuse max_grad_norm.
+//
+// Replication: a primary sends every update (the reduced gradient and the
+// scale it applied) to the partition's backup, which replays it with the same
+// kernel, so both stay bit-identical. A pull of step s is answered only once
+// the backup acknowledged s ("safe"): no acknowledged update exists on one
+// server only. When the map gives a partition a new backup, the primary
+// sends it the partition's whole state, then the updates after it, in order.
+//
+// Thread safety: thread-safe. Callbacks (replies, links) are invoked without
+// the store's locks held.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "common/ps_protocol.h"
+#include "common/status.h"
+#include "common/thread_annotations.h"
+#include "server/optimizer/optimizer.h"
+#include "server/optimizer/thread_pool.h"
+#include "server/partition_state.h"
+#include "tandem/v1/server.pb.h"
+#include "tandem/v1/types.pb.h"
+
+namespace tandem::server {
+
+// Replies to a request: the header (type, status, step, ...) and payload.
+using Reply = std::function<void(ps::Frame header, std::vector<char> payload)>;
+
+// What the store sends to other servers; implemented over the transport by
+// ps_node (and by tests).
+class ServerLinks {
+ public:
+  virtual ~ServerLinks() = default;
+  // This server's share of a sync step, to every other server holding
+  // primaries in the epoch.
+  virtual void SendShare(uint64_t epoch, uint64_t step, const std::vector<ps::ShareEntry>& entries) = 0;
+  // An update (or a state transfer) for `backup`; `done` runs with the
+  // backup's answer (or the failure to reach it). `payload` stays alive
+  // until the send is done.
+  virtual void SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_ptr<const std::vector<float>> payload,
+                            std::function<void(const Status&)> done) = 0;
+  // The job's configuration (a serialized InitializeParametersRequest
+  // without values) for a server that becomes a backup and may never have
+  // been initialised; sent before the state transfer.
+  virtual void SendJob(uint64_t server, std::shared_ptr<const std::string> job) = 0;
+};
+
+struct StoreOptions {
+  int threads = 0;  // optimizer threads; 0: the hardware's
+};
+
+// Counters for GetStats and the metrics.
+struct StoreCounters {
+  std::atomic<uint64_t> pushes{0};
+  std::atomic<uint64_t> duplicate_pushes{0};
+  std::atomic<uint64_t> rejected_pushes{0};
+  std::atomic<uint64_t> pulls{0};
+  std::atomic<uint64_t> push_bytes{0};
+  std::atomic<uint64_t> pull_bytes{0};
+  std::atomic<uint64_t> updates{0};
+  std::atomic<uint64_t> skipped_steps{0};
+  std::atomic<uint64_t> replicas_applied{0};
+  std::atomic<uint64_t> transfers_sent{0};
+  std::atomic<uint64_t> transfers_received{0};
+  std::atomic<double> update_seconds{0};       // time spent applying updates
+  std::atomic<double> aggregation_seconds{0};  // first push of a step to its decision, summed
+  std::atomic<uint64_t> staleness_last{0};     // async: server steps since the pusher's step (last push)
+};
+
+// A consistent copy of partitions at one step, for a checkpoint.
+struct Capture {
+  uint64_t step = 0;
+  std::vector<PartitionState> partitions;
+};
+
+class ParameterStore {
+ public:
+  ParameterStore(StoreOptions options, ServerLinks* links);
+  ~ParameterStore();
+  ParameterStore(const ParameterStore&) = delete;
+  ParameterStore& operator=(const ParameterStore&) = delete;
+
+  // --- membership ---------------------------------------------------------
+  // Adopts an epoch: which partitions this server (`member_id`) holds and as
+  // what, the data-parallel size (the mean's divisor) and the step the epoch
+  // starts from. Steps not yet decided are discarded; pulls waiting fail with
+  // ABORTED. Older epochs are ignored.
+  void SetEpoch(uint64_t epoch, uint64_t member_id, const v1::ShardMap& map, uint32_t dp_size, uint64_t start_step);
+  // The links to the other servers of the current epoch are up: sends the
+  // state of partitions whose backup is new, then lets replication go on.
+  void LinksReady(uint64_t epoch);
+  uint64_t epoch() const;
+
+  // --- control (gRPC) -----------------------------------------------------
+  Result<v1::InitializeParametersResponse> Initialize(const v1::InitializeParametersRequest& request);
+  v1::GetStatsResponse Stats(const std::vector<uint32_t>& partition_ids) const;
+  // Copies the state of this server's primaries once all of them completed
+  // `step` (0: the step they are at now, which must be the same on all),
+  // waiting up to `timeout`. FAILED_PRECONDITION if a primary is already past
+  // `step` or the primaries disagree; DEADLINE_EXCEEDED if not reached.
+  Result<Capture> CaptureAt(uint64_t step, std::chrono::milliseconds timeout);
+  // Replaces partitions' state (restore). `states` must match partitions
+  // this server holds; their ranges are checked. Waiting pulls of them fail.
+  Status Replace(std::vector<PartitionState> states, bool skip_optimizer_state);
+  // What checkpoints record about the job (fingerprint of the tensor table,
+  // optimizer name, parameter count); FAILED_PRECONDITION before
+  // initialisation.
+  struct JobIdentity {
+    std::string job_id;
+    uint64_t parameter_count = 0;
+    uint64_t partition_size = 0;
+    uint64_t fingerprint = 0;
+    std::string optimizer;
+    int state_buffers = 0;
+  };
+  Result<JobIdentity> Identity() const;
+  // The partition ids this server holds (as primary when `primary_only`).
+  std::vector<uint32_t> Held(bool primary_only) const;
+  // The range of a partition of the current map.
+  Result<std::pair<uint64_t, uint64_t>> RangeOf(uint32_t partition) const;
+  // Whether the job was configured (first InitializeParameters).
+  bool configured() const;
+  // Validates a job's tensor table, optimizer and consistency, and fixes them
+  // for this store; later calls must match. Initialize calls it.
+  Status Configure(const std::string& job_id, const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
+                   const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency);
+
+  // --- data plane ---------------------------------------------------------
+  // `from` is the sender's member id (for logs and errors).
+  void Push(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+  void Pull(uint64_t from, const ps::Frame& header, Reply reply);
+  void Share(uint64_t from, const ps::Frame& header, const void* payload);
+  void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+  void Transfer(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+  // The job's configuration from a primary (kJob).
+  void Job(uint64_t from, const void* payload, size_t bytes);
+
+  const StoreCounters& counters() const { return counters_; }
+  // Steps decided but not yet safe (waiting for backups), summed over
+  // partitions: the replication lag.
+  uint64_t ReplicationLag() const;
+
+  // The fingerprint of a tensor table (FNV-1a over names, shapes, dtypes and
+  // groups), as checkpoints record it.
+  static uint64_t Fingerprint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors);
+
+ private:
+  struct Segment {
+    uint64_t offset = 0;  // within the partition
+    uint64_t count = 0;
+    GroupParams group;
+  };
+  struct PendingPull {
+    uint64_t from = 0;
+    ps::Frame header;
+    uint64_t target = 0;  // the step the partition must be safe at
+    Reply reply;
+  };
+  // A checkpoint's wait for partitions to reach a step.
+  struct CaptureRequest {
+    uint64_t step = 0;
+    std::set<uint32_t> expected;
+    Capture result;
+    Status failed;
+    bool done() const { return !failed.ok() || result.partitions.size() == expected.size(); }
+  };
+  struct Part {
+    std::mutex mu;
+    PartitionState state TANDEM_GUARDED_BY(mu);
+    v1::ReplicaRole role TANDEM_GUARDED_BY(mu) = v1::REPLICA_ROLE_UNSPECIFIED;
+    uint64_t primary TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t backup TANDEM_GUARDED_BY(mu) = 0;
+    bool needs_transfer TANDEM_GUARDED_BY(mu) = false;  // primary: the backup is new
+    bool links_ready TANDEM_GUARDED_BY(mu) = false;     // primary: replication may go
+    std::vector<Segment> segments TANDEM_GUARDED_BY(mu);
+    // Sync aggregation of step agg_step in agg_epoch.
+    uint64_t agg_epoch TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t agg_step TANDEM_GUARDED_BY(mu) = 0;
+    uint32_t contributors TANDEM_GUARDED_BY(mu) = 0;
+    uint32_t folded TANDEM_GUARDED_BY(mu) = 0;  // contributions folded, in order
+    std::vector<bool> seen TANDEM_GUARDED_BY(mu);
+    std::map<uint32_t, std::pair<uint16_t, std::vector<char>>> early TANDEM_GUARDED_BY(mu);
+    std::shared_ptr<std::vector<float>> acc TANDEM_GUARDED_BY(mu);
+    bool ready TANDEM_GUARDED_BY(mu) = false;
+    std::chrono::steady_clock::time_point first_push TANDEM_GUARDED_BY(mu);
+    // The decided step's share (kept to share again when a step is retried).
+    ps::ShareEntry last_share TANDEM_GUARDED_BY(mu);
+    // Highest step the backup has acknowledged (or applied here, without a
+    // backup).
+    uint64_t safe_step TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t replicating TANDEM_GUARDED_BY(mu) = 0;  // updates sent, not yet acknowledged
+    std::vector<PendingPull> pulls TANDEM_GUARDED_BY(mu);
+    std::vector<std::pair<uint64_t, Reply>> push_acks TANDEM_GUARDED_BY(mu);  // async: replies after replication
+    // Async / bounded staleness: each contributor's last pushed step.
+    std::vector<uint64_t> clocks TANDEM_GUARDED_BY(mu);
+    // Traffic.
+    uint64_t bytes_pushed TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t bytes_pulled TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t pushes TANDEM_GUARDED_BY(mu) = 0;
+    uint64_t pulls_served TANDEM_GUARDED_BY(mu) = 0;
+  };
+  // A sync step being decided.
+  struct Round {
+    std::map<uint32_t, ps::ShareEntry> entries;  // by partition
+    bool shared = false;                         // this server sent its share
+    bool decided = false;
+  };
+  using Actions = std::vector<std::function<void()>>;
+
+  std::shared_ptr<Part> Find(uint32_t partition) const;
+  std::vector<Segment> SegmentsFor(uint64_t begin, uint64_t end) const TANDEM_REQUIRES(mu_);
+  Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary) const;
+  // Folds buffered early pushes that are next in order.
+  void FoldLocked(Part& part, uint32_t contributor, uint16_t dtype, const void* data) TANDEM_REQUIRES(part.mu);
+  // After a partition became ready: shares or decides (sync mode).
+  void MaybeShare(uint64_t epoch, uint64_t step, Actions& actions);
+  void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions);
+  void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions);
+  // Applies one update to a partition (grad already reduced).
+  void ApplyLocked(Part& part, const float* grad, double grad_scale) TANDEM_REQUIRES(part.mu);
+  // Applies a decided sync step to the partitions that aggregated it.
+  void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
+                     double grad_scale);
+  // A partition completed `step`: hands its state to checkpoints waiting for it.
+  void StepCompleted(uint32_t partition, uint64_t step);
+  // Sends an update to the backup (or marks it safe without one), queueing
+  // the acknowledgement's follow-ups.
+  void ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad, Actions& actions)
+      TANDEM_REQUIRES(part.mu);
+  void SendTransferLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
+  void OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status);
+  // Answers the pulls that can be answered.
+  void ServePullsLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
+  void AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) TANDEM_REQUIRES(part.mu);
+  static void Run(Actions& actions);
+  static ps::Frame ErrorReply(const ps::Frame& request, ps::FrameType type, const Status& status,
+                              std::vector<char>* payload);
+
+  const StoreOptions options_;
+  ServerLinks* const links_;
+  std::unique_ptr<ThreadPool> pool_;
+  StoreCounters counters_;
+
+  mutable std::mutex mu_;
+  std::condition_variable changed_;  // a partition completed a step (CaptureAt)
+  // Job configuration (fixed by the first initialisation).
+  bool configured_ TANDEM_GUARDED_BY(mu_) = false;
+  std::string job_id_ TANDEM_GUARDED_BY(mu_);
+  google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors_ TANDEM_GUARDED_BY(mu_);
+  std::vector<uint64_t> tensor_offsets_ TANDEM_GUARDED_BY(mu_);
+  uint64_t fingerprint_ TANDEM_GUARDED_BY(mu_) = 0;
+  std::optional<Optimizer> optimizer_ TANDEM_GUARDED_BY(mu_);
+  // Fixed once configured; read without mu_ by code that holds a partition's
+  // lock (the lock order is mu_, then a partition's mu).
+  std::atomic<const Optimizer*> opt_{nullptr};
+  std::atomic<int> mode_{v1::CONSISTENCY_MODE_SYNC};
+  std::atomic<uint32_t> bound_{0};
+  v1::OptimizerConfig optimizer_config_ TANDEM_GUARDED_BY(mu_);
+  v1::ConsistencyConfig consistency_ TANDEM_GUARDED_BY(mu_);
+  // Membership.
+  uint64_t epoch_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t member_id_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint32_t dp_size_ TANDEM_GUARDED_BY(mu_) = 1;
+  uint64_t start_step_ TANDEM_GUARDED_BY(mu_) = 0;
+  v1::ShardMap map_ TANDEM_GUARDED_BY(mu_);
+  size_t primaries_ TANDEM_GUARDED_BY(mu_) = 0;        // partitions this server is primary of
+  bool other_servers_ TANDEM_GUARDED_BY(mu_) = false;  // another server holds primaries
+  std::map<uint32_t, std::shared_ptr<Part>> parts_ TANDEM_GUARDED_BY(mu_);
+  std::map<std::pair<uint64_t, uint64_t>, Round> rounds_ TANDEM_GUARDED_BY(mu_);  // (epoch, step)
+  std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
+};
+
+}  // namespace tandem::server

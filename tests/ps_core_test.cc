@@ -1,0 +1,736 @@
+// The parameter store's rules, with several stores in one process linked
+// directly (no transport): exactly-once sync steps across servers, the
+// decision (non-finite skip, global clipping), duplicates and order,
+// consistency modes, replication and promotion after a primary dies, state
+// transfer to a new backup, and checkpoints restored onto other server
+// counts.
+#include "server/ps_core.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <random>
+#include <set>
+
+#include <gtest/gtest.h>
+
+#include "server/checkpoint/checkpoint.h"
+
+namespace tandem::server {
+namespace {
+
+constexpr uint64_t kFirstServer = 101;
+
+// A cluster of stores whose links call each other directly.
+class Cluster : public ServerLinks {
+ public:
+  struct Node;
+  class NodeLinks : public ServerLinks {
+   public:
+    NodeLinks(Cluster* cluster, uint64_t self) : cluster_(cluster), self_(self) {}
+    void SendShare(uint64_t epoch, uint64_t step, const std::vector<ps::ShareEntry>& entries) override {
+      ps::Frame h;
+      h.type = ps::FrameType::kShare;
+      h.epoch = epoch;
+      h.step = step;
+      h.contributors = static_cast<uint32_t>(entries.size());
+      h.payload_bytes = entries.size() * sizeof(ps::ShareEntry);
+      for (auto& [id, node] : cluster_->nodes) {
+        if (id != self_ && node->alive) node->store->Share(self_, h, entries.data());
+      }
+    }
+    void SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_ptr<const std::vector<float>> payload,
+                      std::function<void(const Status&)> done) override {
+      auto it = cluster_->nodes.find(backup);
+      if (it == cluster_->nodes.end() || !it->second->alive || !cluster_->nodes[self_]->alive) {
+        return done(Unavailable("member {} is dead", backup));
+      }
+      if (cluster_->hold_replicas) {
+        cluster_->held.push_back([=, this] { SendToBackup(backup, header, payload, done); });
+        return;
+      }
+      ps::Frame h = header;
+      h.payload_bytes = payload ? payload->size() * sizeof(float) : 0;
+      auto reply = [done](ps::Frame r, std::vector<char> body) { done(ps::ReplyStatus(r, body.data())); };
+      if (h.type == ps::FrameType::kTransfer) {
+        it->second->store->Transfer(self_, h, payload ? payload->data() : nullptr, reply);
+      } else {
+        it->second->store->Replica(self_, h, payload ? payload->data() : nullptr, reply);
+      }
+    }
+    void SendJob(uint64_t server, std::shared_ptr<const std::string> job) override {
+      auto it = cluster_->nodes.find(server);
+      if (it != cluster_->nodes.end() && it->second->alive) it->second->store->Job(self_, job->data(), job->size());
+    }
+
+   private:
+    Cluster* cluster_;
+    uint64_t self_;
+  };
+  struct Node {
+    std::unique_ptr<NodeLinks> links;
+    std::unique_ptr<ParameterStore> store;
+    bool alive = true;
+  };
+
+  void SendShare(uint64_t, uint64_t, const std::vector<ps::ShareEntry>&) override {}
+  void SendToBackup(uint64_t, const ps::Frame&, std::shared_ptr<const std::vector<float>>,
+                    std::function<void(const Status&)>) override {}
+  void SendJob(uint64_t, std::shared_ptr<const std::string>) override {}
+
+  void Add(uint64_t id) {
+    auto node = std::make_unique<Node>();
+    node->links = std::make_unique<NodeLinks>(this, id);
+    node->store = std::make_unique<ParameterStore>(StoreOptions{2}, node->links.get());
+    nodes[id] = std::move(node);
+  }
+  ParameterStore& operator[](uint64_t id) { return *nodes.at(id)->store; }
+  std::vector<uint64_t> Live() const {
+    std::vector<uint64_t> ids;
+    for (auto& [id, n] : nodes) {
+      if (n->alive) ids.push_back(id);
+    }
+    return ids;
+  }
+  void Release() {
+    hold_replicas = false;
+    auto pending = std::move(held);
+    held.clear();
+    for (auto& f : pending) f();
+  }
+
+  std::map<uint64_t, std::unique_ptr<Node>> nodes;
+  bool hold_replicas = false;
+  std::vector<std::function<void()>> held;
+};
+
+v1::ShardMap MakeMap(uint64_t params, uint64_t partition_size, const std::vector<uint64_t>& servers) {
+  v1::ShardMap map;
+  map.set_partition_size(partition_size);
+  map.set_parameter_count(params);
+  map.set_version(1);
+  const uint64_t n = (params + partition_size - 1) / partition_size;
+  for (uint64_t i = 0; i < n; ++i) {
+    auto* p = map.add_partitions();
+    p->set_id(static_cast<uint32_t>(i));
+    p->mutable_range()->set_begin(i * partition_size);
+    p->mutable_range()->set_end(std::min(params, (i + 1) * partition_size));
+    p->set_primary_member_id(servers[i % servers.size()]);
+    p->set_backup_member_id(servers.size() > 1 ? servers[(i + 1) % servers.size()] : 0);
+  }
+  return map;
+}
+
+// The map after servers died: a dead primary's backup is promoted; a
+// partition without a live backup gets the next live server.
+v1::ShardMap Reassign(v1::ShardMap map, const std::vector<uint64_t>& live) {
+  auto is_live = [&](uint64_t id) { return std::find(live.begin(), live.end(), id) != live.end(); };
+  map.set_version(map.version() + 1);
+  for (auto& p : *map.mutable_partitions()) {
+    if (!is_live(p.primary_member_id())) {
+      p.set_primary_member_id(p.backup_member_id());
+      p.set_backup_member_id(0);
+    }
+    if (p.backup_member_id() == 0 || !is_live(p.backup_member_id())) {
+      p.set_backup_member_id(0);
+      for (uint64_t id : live) {
+        if (id != p.primary_member_id()) {
+          p.set_backup_member_id(id);
+          break;
+        }
+      }
+    }
+  }
+  return map;
+}
+
+struct Job {
+  uint64_t params = 5500;
+  uint64_t partition = 1000;
+  v1::OptimizerConfig optimizer;
+  v1::ConsistencyConfig consistency;
+  std::vector<float> initial;
+
+  Job() {
+    auto* adam = optimizer.mutable_adam();
+    adam->set_lr(1e-2);
+    adam->set_weight_decay(0.01);
+    adam->set_decoupled_weight_decay(true);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    initial.resize(params);
+    for (auto& x : initial) x = dist(rng);
+  }
+  v1::InitializeParametersRequest Init(uint64_t epoch) const {
+    v1::InitializeParametersRequest r;
+    r.set_job_id("job");
+    r.set_epoch(epoch);
+    auto* a = r.add_tensors();
+    a->set_name("w");
+    a->add_shape(static_cast<int64_t>(params - 500));
+    a->set_dtype(v1::DTYPE_FLOAT32);
+    auto* b = r.add_tensors();
+    b->set_name("b");
+    b->add_shape(500);
+    b->set_dtype(v1::DTYPE_FLOAT32);
+    b->set_group("no_decay");
+    *r.mutable_optimizer() = optimizer;
+    (*r.mutable_optimizer()->mutable_group_overrides())["no_decay"].set_weight_decay(0);
+    *r.mutable_consistency() = consistency;
+    auto* chunk = r.mutable_values()->add_chunks();
+    chunk->mutable_range()->set_begin(0);
+    chunk->mutable_range()->set_end(params);
+    chunk->set_dtype(v1::DTYPE_FLOAT32);
+    chunk->set_data(std::string(reinterpret_cast<const char*>(initial.data()), params * sizeof(float)));
+    return r;
+  }
+};
+
+struct Answer {
+  bool done = false;
+  ps::Frame header;
+  std::vector<char> payload;
+  Status status() const { return ps::ReplyStatus(header, payload.data()); }
+  std::vector<float> floats() const {
+    std::vector<float> v(payload.size() / sizeof(float));
+    std::memcpy(v.data(), payload.data(), v.size() * sizeof(float));
+    return v;
+  }
+};
+
+Reply Into(std::shared_ptr<Answer> a) {
+  return [a](ps::Frame h, std::vector<char> body) {
+    a->done = true;
+    a->header = h;
+    a->payload = std::move(body);
+  };
+}
+
+std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
+                             uint32_t contributor, uint32_t contributors, const std::vector<float>& grad,
+                             v1::WireDType dtype = v1::WIRE_DTYPE_FP32) {
+  ps::Frame h;
+  h.type = ps::FrameType::kPush;
+  h.epoch = epoch;
+  h.step = step;
+  h.partition = partition;
+  h.contributor = contributor;
+  h.contributors = contributors;
+  h.dtype = static_cast<uint16_t>(dtype);
+  h.payload_bytes = grad.size() * sizeof(float);
+  auto a = std::make_shared<Answer>();
+  store.Push(1, h, grad.data(), Into(a));
+  return a;
+}
+
+std::shared_ptr<Answer> Pull(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
+                             uint32_t contributor = 0, uint32_t contributors = 0) {
+  ps::Frame h;
+  h.type = ps::FrameType::kPull;
+  h.epoch = epoch;
+  h.step = step;
+  h.partition = partition;
+  h.contributor = contributor;
+  h.contributors = contributors;
+  h.dtype = v1::WIRE_DTYPE_FP32;
+  auto a = std::make_shared<Answer>();
+  store.Pull(1, h, Into(a));
+  return a;
+}
+
+// Deterministic gradient of (step, contributor) for a partition range.
+std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uint64_t end) {
+  std::vector<float> g(end - begin);
+  std::mt19937 rng(static_cast<uint32_t>(step * 7919 + contributor * 104729 + begin));
+  std::normal_distribution<float> dist(0.0f, 0.5f);
+  for (auto& x : g) x = dist(rng);
+  return g;
+}
+
+class PsCoreTest : public ::testing::Test {
+ protected:
+  void Start(int servers, const Job& job) {
+    for (int i = 0; i < servers; ++i) cluster_.Add(kFirstServer + static_cast<uint64_t>(i));
+    map_ = MakeMap(job.params, job.partition, cluster_.Live());
+    SetEpoch(1);
+    for (uint64_t id : cluster_.Live()) {
+      auto r = cluster_[id].Initialize(job.Init(1));
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+    }
+  }
+  void SetEpoch(uint64_t epoch, uint32_t dp = 2, uint64_t start_step = 0) {
+    epoch_ = epoch;
+    for (uint64_t id : cluster_.Live()) cluster_[id].SetEpoch(epoch, id, map_, dp, start_step);
+    for (uint64_t id : cluster_.Live()) cluster_[id].LinksReady(epoch);
+  }
+  ParameterStore& PrimaryOf(uint32_t partition) {
+    return cluster_[map_.partitions(static_cast<int>(partition)).primary_member_id()];
+  }
+  ParameterStore* BackupOf(uint32_t partition) {
+    const uint64_t id = map_.partitions(static_cast<int>(partition)).backup_member_id();
+    return id == 0 ? nullptr : &cluster_[id];
+  }
+  std::pair<uint64_t, uint64_t> Range(uint32_t partition) const {
+    const auto& r = map_.partitions(static_cast<int>(partition)).range();
+    return {r.begin(), r.end()};
+  }
+  uint32_t Partitions() const { return static_cast<uint32_t>(map_.partitions_size()); }
+
+  // Every contributor pushes every partition of `step` (contributors in
+  // `order`), then pulls: returns the whole parameter vector.
+  std::vector<float> RunStep(uint64_t step, uint32_t contributors, std::vector<uint32_t> order = {}) {
+    if (order.empty()) {
+      for (uint32_t c = 0; c < contributors; ++c) order.push_back(c);
+    }
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto [b, e] = Range(p);
+      for (uint32_t c : order) {
+        auto a = Push(PrimaryOf(p), epoch_, step, p, c, contributors, Grad(step, c, b, e));
+        EXPECT_TRUE(a->done);
+        EXPECT_TRUE(a->status().ok()) << a->status().ToString();
+      }
+    }
+    return PullAll(step);
+  }
+  std::vector<float> PullAll(uint64_t step) {
+    std::vector<float> all;
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto a = Pull(PrimaryOf(p), epoch_, step, p);
+      EXPECT_TRUE(a->done) << "pull of partition " << p << " step " << step << " did not complete";
+      EXPECT_TRUE(a->status().ok()) << a->status().ToString();
+      EXPECT_EQ(a->header.step, step);
+      auto v = a->floats();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  }
+  // Primary and backup hold bit-identical state for every partition.
+  void ExpectReplicasEqual() {
+    auto stats = [&](ParameterStore& s) { return s.CaptureAt(0, std::chrono::milliseconds(100)); };
+    (void)stats;
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      ParameterStore* backup = BackupOf(p);
+      if (backup == nullptr) continue;
+      auto primary_stats = PrimaryOf(p).Stats({p});
+      auto backup_stats = backup->Stats({p});
+      ASSERT_EQ(primary_stats.partitions_size(), 1);
+      ASSERT_EQ(backup_stats.partitions_size(), 1);
+      EXPECT_EQ(primary_stats.partitions(0).version(), backup_stats.partitions(0).version()) << "partition " << p;
+      EXPECT_EQ(primary_stats.partitions(0).step(), backup_stats.partitions(0).step()) << "partition " << p;
+      EXPECT_EQ(backup_stats.partitions(0).role(), v1::REPLICA_ROLE_BACKUP);
+    }
+  }
+
+  Cluster cluster_;
+  v1::ShardMap map_;
+  uint64_t epoch_ = 0;
+};
+
+std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors) {
+  // One server holding everything.
+  Cluster cluster;
+  cluster.Add(kFirstServer);
+  v1::ShardMap map = MakeMap(job.params, job.partition, {kFirstServer});
+  cluster[kFirstServer].SetEpoch(1, kFirstServer, map, 2, 0);
+  cluster[kFirstServer].LinksReady(1);
+  EXPECT_TRUE(cluster[kFirstServer].Initialize(job.Init(1)).ok());
+  std::vector<float> all;
+  for (int s = 1; s <= steps; ++s) {
+    all.clear();
+    for (int p = 0; p < map.partitions_size(); ++p) {
+      const auto& r = map.partitions(p).range();
+      for (uint32_t c = 0; c < contributors; ++c) {
+        EXPECT_TRUE(Push(cluster[kFirstServer], 1, static_cast<uint64_t>(s), static_cast<uint32_t>(p), c, contributors,
+                         Grad(static_cast<uint64_t>(s), c, r.begin(), r.end()))
+                        ->status()
+                        .ok());
+      }
+    }
+    for (int p = 0; p < map.partitions_size(); ++p) {
+      auto a = Pull(cluster[kFirstServer], 1, static_cast<uint64_t>(s), static_cast<uint32_t>(p));
+      auto v = a->floats();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+  }
+  return all;
+}
+
+TEST_F(PsCoreTest, ThreeServersEqualOneServerBitForBit) {
+  Job job;
+  Start(3, job);
+  std::vector<float> params;
+  for (uint64_t s = 1; s <= 20; ++s)
+    params = RunStep(s, 3, s % 2 ? std::vector<uint32_t>{2, 0, 1} : std::vector<uint32_t>{});
+  const auto reference = ReferenceRun(job, 20, 3);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+  // The step moved the parameters.
+  EXPECT_NE(params[0], job.initial[0]);
+}
+
+TEST_F(PsCoreTest, DuplicatePushesAreIgnoredAndFlagged) {
+  Job job;
+  Start(2, job);
+  auto [b, e] = Range(0);
+  auto first = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  ASSERT_TRUE(first->status().ok());
+  EXPECT_EQ(first->header.flags & ps::kFlagDuplicate, 0);
+  auto again = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  ASSERT_TRUE(again->status().ok());
+  EXPECT_NE(again->header.flags & ps::kFlagDuplicate, 0);
+  // Finish the step, then push it again: a duplicate of an applied step.
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [pb, pe] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) ASSERT_TRUE(Push(PrimaryOf(p), 1, 1, p, c, 2, Grad(1, c, pb, pe))->status().ok());
+  }
+  auto pulled = PullAll(1);
+  auto late = Push(PrimaryOf(0), 1, 1, 0, 1, 2, Grad(1, 1, b, e));
+  EXPECT_NE(late->header.flags & ps::kFlagDuplicate, 0);
+  auto after = PullAll(1);
+  EXPECT_EQ(pulled, after);
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 2u);
+}
+
+TEST_F(PsCoreTest, BadPushesGetClearErrorsAndChangeNothing) {
+  Job job;
+  Start(2, job);
+  auto [b, e] = Range(0);
+  const auto before = PrimaryOf(0).Stats({0});
+  auto expect_error = [&](std::shared_ptr<Answer> a, StatusCode code, const std::string& words) {
+    ASSERT_TRUE(a->done);
+    EXPECT_EQ(a->status().code(), code) << a->status().ToString();
+    EXPECT_NE(a->status().message().find(words), std::string::npos) << a->status().message();
+  };
+  expect_error(Push(PrimaryOf(0), 0, 1, 0, 0, 2, Grad(1, 0, b, e)), StatusCode::kFailedPrecondition, "stale");
+  expect_error(Push(PrimaryOf(0), 2, 1, 0, 0, 2, Grad(1, 0, b, e)), StatusCode::kUnavailable, "not reached epoch 2");
+  expect_error(Push(PrimaryOf(0), 1, 3, 0, 0, 2, Grad(1, 0, b, e)), StatusCode::kFailedPrecondition, "future");
+  expect_error(Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e - 1)), StatusCode::kInvalidArgument, "bytes");
+  expect_error(Push(PrimaryOf(0), 1, 1, 0, 2, 2, Grad(1, 0, b, e)), StatusCode::kInvalidArgument, "contributor 2");
+  expect_error(Push(PrimaryOf(0), 1, 1, 99, 0, 2, Grad(1, 0, b, e)), StatusCode::kNotFound, "partition 99");
+  expect_error(Push(*BackupOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e)), StatusCode::kFailedPrecondition, "not the primary");
+  auto wrong_dtype = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e), static_cast<v1::WireDType>(9));
+  expect_error(wrong_dtype, StatusCode::kInvalidArgument, "dtype");
+  // A push naming another contributor count than the step's first push.
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e))->status().ok());
+  expect_error(Push(PrimaryOf(0), 1, 1, 0, 1, 3, Grad(1, 1, b, e)), StatusCode::kInvalidArgument, "contributors");
+  const auto after = PrimaryOf(0).Stats({0});
+  EXPECT_EQ(before.partitions(0).version(), after.partitions(0).version());
+  EXPECT_EQ(before.partitions(0).step(), after.partitions(0).step());
+}
+
+TEST_F(PsCoreTest, NonFiniteGradientSkipsTheStepOnEveryServer) {
+  Job job;
+  Start(3, job);
+  auto p1 = RunStep(1, 2);
+  // Step 2: one element of one partition is NaN.
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) {
+      auto g = Grad(2, c, b, e);
+      if (p == 4 && c == 1) g[3] = std::nanf("");
+      ASSERT_TRUE(Push(PrimaryOf(p), 1, 2, p, c, 2, g)->status().ok());
+    }
+  }
+  auto p2 = PullAll(2);
+  EXPECT_EQ(p1, p2);  // nothing changed anywhere
+  for (uint64_t id : cluster_.Live()) {
+    auto stats = cluster_[id].Stats({});
+    for (const auto& s : stats.partitions()) {
+      EXPECT_EQ(s.step(), 2u);
+      EXPECT_EQ(s.version(), 2u);  // one applied update (step 1), step 2 skipped
+    }
+  }
+  EXPECT_GE(PrimaryOf(4).Stats({}).skipped_steps(), 1u);
+  // Training goes on.
+  auto p3 = RunStep(3, 2);
+  EXPECT_NE(p2, p3);
+}
+
+TEST_F(PsCoreTest, FailPolicyRefusesNonFinitePushes) {
+  Job job;
+  job.optimizer.set_non_finite_policy(v1::NON_FINITE_POLICY_FAIL);
+  Start(2, job);
+  auto [b, e] = Range(0);
+  auto g = Grad(1, 0, b, e);
+  g[0] = INFINITY;
+  auto a = Push(PrimaryOf(0), 1, 1, 0, 0, 2, g);
+  EXPECT_EQ(a->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(a->status().message().find("NaN or Inf"), std::string::npos);
+}
+
+TEST_F(PsCoreTest, GlobalNormClippingUsesEveryServersGradient) {
+  Job job;
+  job.optimizer.Clear();
+  job.optimizer.mutable_sgd()->set_lr(1.0);
+  job.optimizer.set_max_grad_norm(1.0);
+  job.optimizer.set_reduction(v1::GRADIENT_REDUCTION_SUM);
+  Start(3, job);
+  // One contributor; the gradient is 1 everywhere: norm sqrt(params).
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    ASSERT_TRUE(Push(PrimaryOf(p), 1, 1, p, 0, 1, std::vector<float>(e - b, 1.0f))->status().ok());
+  }
+  auto params = PullAll(1);
+  const double norm = std::sqrt(static_cast<double>(job.params));
+  const double coef = 1.0 / (norm + 1e-6);
+  for (size_t i = 0; i < params.size(); i += 97) {
+    EXPECT_NEAR(params[i], job.initial[i] - coef, 1e-6) << i;
+  }
+}
+
+TEST_F(PsCoreTest, PullWaitsForTheStepAndForTheBackup) {
+  Job job;
+  Start(2, job);
+  auto [b, e] = Range(0);
+  auto early = Pull(PrimaryOf(0), 1, 1, 0);
+  EXPECT_FALSE(early->done);  // step 1 not applied yet
+  cluster_.hold_replicas = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [pb, pe] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) ASSERT_TRUE(Push(PrimaryOf(p), 1, 1, p, c, 2, Grad(1, c, pb, pe))->status().ok());
+  }
+  // Applied on the primary, not yet on the backup: not acknowledged.
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).step(), 1u);
+  EXPECT_FALSE(early->done);
+  EXPECT_GT(PrimaryOf(0).ReplicationLag(), 0u);
+  cluster_.Release();
+  EXPECT_TRUE(early->done);
+  EXPECT_TRUE(early->status().ok());
+  EXPECT_EQ(PrimaryOf(0).ReplicationLag(), 0u);
+  (void)b;
+  (void)e;
+}
+
+TEST_F(PsCoreTest, PrimaryDiesMidStepBackupTakesOverAndResultMatches) {
+  Job job;
+  Start(3, job);
+  for (uint64_t s = 1; s <= 3; ++s) RunStep(s, 2);
+  // Step 4: some pushes land, then server 101 dies before the step decides.
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    Push(PrimaryOf(p), 1, 4, p, 0, 2, Grad(4, 0, b, e));
+  }
+  const uint64_t dead = kFirstServer;
+  cluster_.nodes[dead]->alive = false;
+  map_ = Reassign(map_, cluster_.Live());
+  SetEpoch(2);
+  // The workers push step 4 again in the new epoch and go on.
+  std::vector<float> params;
+  for (uint64_t s = 4; s <= 8; ++s) params = RunStep(s, 2);
+  const auto reference = ReferenceRun(job, 8, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  // New backups got the state and stay in step.
+  ExpectReplicasEqual();
+}
+
+TEST_F(PsCoreTest, ServerDiesAfterTheDecisionStepCompletesOnce) {
+  Job job;
+  Start(3, job);
+  RunStep(1, 2);
+  // Step 2 decides everywhere while replication is held, then 102 dies: its
+  // backups have not applied step 2; the retry applies it there, and the
+  // partitions that kept step 2 treat the new pushes as duplicates.
+  cluster_.hold_replicas = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e));
+  }
+  cluster_.nodes[kFirstServer + 1]->alive = false;
+  cluster_.Release();  // replicas to live backups complete; those to 102 fail
+  map_ = Reassign(map_, cluster_.Live());
+  SetEpoch(2);
+  std::vector<float> params;
+  for (uint64_t s = 2; s <= 5; ++s) params = RunStep(s, 2);
+  const auto reference = ReferenceRun(job, 5, 2);
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+}
+
+TEST_F(PsCoreTest, AsyncAppliesEachPushAndIgnoresDuplicates) {
+  Job job;
+  job.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  Start(2, job);
+  auto [b, e] = Range(0);
+  auto a = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  ASSERT_TRUE(a->done);
+  ASSERT_TRUE(a->status().ok());
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 2u);
+  auto dup = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  EXPECT_NE(dup->header.flags & ps::kFlagDuplicate, 0);
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 2u);
+  // Contributor 0 runs ahead while contributor 1 has pushed nothing.
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 2, 0, 0, 2, Grad(2, 0, b, e))->status().ok());
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 3u);
+  auto pulled = Pull(PrimaryOf(0), 1, 0, 0);
+  EXPECT_TRUE(pulled->done);
+  ExpectReplicasEqual();
+  // Clipping needs whole steps.
+  Job clip;
+  clip.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  clip.optimizer.set_max_grad_norm(1.0);
+  Cluster other;
+  other.Add(kFirstServer);
+  other[kFirstServer].SetEpoch(1, kFirstServer, MakeMap(clip.params, clip.partition, {kFirstServer}), 1, 0);
+  auto refused = other[kFirstServer].Initialize(clip.Init(1));
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("max_grad_norm"), std::string::npos);
+}
+
+TEST_F(PsCoreTest, BoundedStalenessHoldsTheFastContributor) {
+  Job job;
+  job.consistency.set_mode(v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
+  job.consistency.set_staleness_bound(1);
+  Start(1, job);
+  auto [b, e] = Range(0);
+  // Contributor 0 pushes steps 1 and 2; contributor 1 nothing yet.
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e))->status().ok());
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 2, 0, 0, 2, Grad(2, 0, b, e))->status().ok());
+  // Pushing step 3 would put it 3 steps ahead of the slowest (0) with bound 1.
+  auto too_far = Push(PrimaryOf(0), 1, 3, 0, 0, 2, Grad(3, 0, b, e));
+  EXPECT_EQ(too_far->status().code(), StatusCode::kFailedPrecondition);
+  // A pull to compute step 3 waits: the slowest has pushed 0 steps.
+  auto wait = Pull(PrimaryOf(0), 1, 3, 0, 0, 2);
+  EXPECT_FALSE(wait->done);
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 1, 2, Grad(1, 1, b, e))->status().ok());
+  EXPECT_TRUE(wait->done);
+  EXPECT_TRUE(wait->status().ok());
+}
+
+TEST_F(PsCoreTest, NewEpochAbortsWaitingPullsAndRefusesOldPushes) {
+  Job job;
+  Start(2, job);
+  auto waiting = Pull(PrimaryOf(0), 1, 1, 0);
+  EXPECT_FALSE(waiting->done);
+  SetEpoch(2);
+  ASSERT_TRUE(waiting->done);
+  EXPECT_EQ(waiting->status().code(), StatusCode::kAborted);
+  EXPECT_NE(waiting->status().message().find("superseded"), std::string::npos);
+  auto [b, e] = Range(0);
+  auto old = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  EXPECT_EQ(old->status().code(), StatusCode::kFailedPrecondition);
+}
+
+TEST_F(PsCoreTest, InitializationHappensOnceAndChecksItsInput) {
+  Job job;
+  Start(2, job);
+  // Again with other values: ignored, said so.
+  Job other = job;
+  for (auto& x : other.initial) x += 1;
+  auto again = cluster_[kFirstServer].Initialize(other.Init(1));
+  ASSERT_TRUE(again.ok());
+  for (const auto& p : again->partitions()) EXPECT_FALSE(p.newly_initialized());
+  auto params = PullAll(0);
+  EXPECT_EQ(params, job.initial);
+  // A different tensor table, optimizer, or incomplete values.
+  auto bad = job.Init(1);
+  bad.mutable_tensors(0)->set_name("renamed");
+  EXPECT_EQ(cluster_[kFirstServer].Initialize(bad).status().code(), StatusCode::kFailedPrecondition);
+  bad = job.Init(1);
+  bad.mutable_optimizer()->mutable_adam()->set_lr(5);
+  EXPECT_EQ(cluster_[kFirstServer].Initialize(bad).status().code(), StatusCode::kFailedPrecondition);
+  Cluster fresh;
+  fresh.Add(kFirstServer);
+  fresh[kFirstServer].SetEpoch(1, kFirstServer, MakeMap(job.params, job.partition, {kFirstServer}), 1, 0);
+  bad = job.Init(1);
+  bad.mutable_values()->mutable_chunks(0)->mutable_range()->set_end(job.params - 10);
+  bad.mutable_values()->mutable_chunks(0)->mutable_data()->resize((job.params - 10) * 4);
+  auto incomplete = fresh[kFirstServer].Initialize(bad);
+  EXPECT_EQ(incomplete.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(incomplete.status().message().find("not fully covered"), std::string::npos)
+      << incomplete.status().message();
+  bad = job.Init(1);
+  bad.mutable_optimizer()->mutable_adam()->set_beta1(1.5);
+  auto invalid = fresh[kFirstServer].Initialize(bad);
+  EXPECT_EQ(invalid.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(invalid.status().message().find("beta1"), std::string::npos);
+}
+
+class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};
+
+TEST_P(CheckpointRoundTrip, RestoreOnAnotherServerCountIsBitIdentical) {
+  Job job;
+  Start(3, job);
+  for (uint64_t s = 1; s <= 4; ++s) RunStep(s, 2);
+  const auto dir = std::filesystem::temp_directory_path() /
+                   ("tandem-ps-core-" + std::to_string(::getpid()) + "-" + std::to_string(GetParam()));
+  std::filesystem::remove_all(dir);
+  // Every server saves its primaries at step 4.
+  std::map<uint32_t, PartitionState> saved;
+  for (uint64_t id : cluster_.Live()) {
+    auto capture = cluster_[id].CaptureAt(4, std::chrono::milliseconds(1000));
+    ASSERT_TRUE(capture.ok()) << capture.status().ToString();
+    auto identity = cluster_[id].Identity();
+    ASSERT_TRUE(identity.ok());
+    CheckpointMeta meta;
+    meta.job_id = "job";
+    meta.checkpoint_id = "step-4";
+    meta.step = 4;
+    meta.parameter_count = identity->parameter_count;
+    meta.tensor_fingerprint = identity->fingerprint;
+    meta.optimizer = identity->optimizer;
+    meta.state_buffers = static_cast<uint32_t>(identity->state_buffers);
+    std::vector<const PartitionState*> parts;
+    for (auto& p : capture->partitions) {
+      parts.push_back(&p);
+      saved[p.id] = p;
+    }
+    uint64_t bytes = 0;
+    ASSERT_TRUE(WriteCheckpointFiles((dir / "step-4").string(), meta, parts, nullptr, &bytes).ok());
+  }
+  ASSERT_EQ(saved.size(), Partitions());
+  // A new cluster of GetParam() servers restores it.
+  Cluster restored;
+  std::vector<uint64_t> ids;
+  for (int i = 0; i < GetParam(); ++i) {
+    restored.Add(200 + static_cast<uint64_t>(i));
+    ids.push_back(200 + static_cast<uint64_t>(i));
+  }
+  auto map = MakeMap(job.params, job.partition, ids);
+  for (uint64_t id : ids) restored[id].SetEpoch(1, id, map, 2, 4);
+  for (uint64_t id : ids) {
+    auto init = job.Init(1);
+    init.set_checkpoint_path((dir / "step-4").string());
+    auto r = restored[id].Initialize(init);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  for (uint64_t id : ids) {
+    auto capture = restored[id].CaptureAt(0, std::chrono::milliseconds(100));
+    ASSERT_TRUE(capture.ok()) << capture.status().ToString();
+    EXPECT_EQ(capture->step, 4u);
+    for (const auto& p : capture->partitions) {
+      const auto& want = saved.at(p.id);
+      EXPECT_EQ(p.weights, want.weights) << p.id;
+      EXPECT_EQ(p.state0, want.state0) << p.id;
+      EXPECT_EQ(p.state1, want.state1) << p.id;
+      EXPECT_EQ(p.version, want.version);
+    }
+  }
+  // A corrupted file is refused.
+  for (const auto& entry : std::filesystem::directory_iterator(dir / "step-4")) {
+    std::FILE* f = std::fopen(entry.path().c_str(), "r+b");
+    ASSERT_NE(f, nullptr);
+    std::fseek(f, 4096, SEEK_SET);
+    int c = std::fgetc(f);
+    std::fseek(f, 4096, SEEK_SET);
+    std::fputc(c ^ 0x20, f);
+    std::fclose(f);
+    break;
+  }
+  Cluster broken;
+  broken.Add(300);
+  broken[300].SetEpoch(1, 300, MakeMap(job.params, job.partition, {300}), 2, 4);
+  auto init = job.Init(1);
+  init.set_checkpoint_path((dir / "step-4").string());
+  auto refused = broken[300].Initialize(init);
+  EXPECT_EQ(refused.status().code(), StatusCode::kDataLoss) << refused.status().ToString();
+  std::filesystem::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Servers, CheckpointRoundTrip, ::testing::Values(1, 2, 5));
+
+}  // namespace
+}  // namespace tandem::server

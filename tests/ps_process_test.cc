@@ -1,0 +1,411 @@
+// Parameter servers as processes: a coordinator and three tandem-server
+// daemons on loopback, and two workers (member sessions with a PsClient each,
+// in this process) training a synthetic job in synchronous mode. One server
+// is killed with SIGKILL in the middle of a step: the coordinator publishes a
+// new epoch, the dead server's backups are promoted, new backups get the
+// state, the workers push the interrupted step again, and training goes on.
+// The final parameters must equal, bit for bit, those of a run without the
+// failure (a single in-process parameter store fed the same gradients), and
+// every backup must hold the same version as its primary. Then a checkpoint
+// is saved through the gRPC control service and restored.
+#include <signal.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <latch>
+#include <random>
+#include <thread>
+
+#include <gtest/gtest.h>
+
+#include "common/coordinator_rendezvous.h"
+#include "common/member_session.h"
+#include "launch_util.h"
+#include "server/ps_core.h"
+#include "worker/ps/ps_client.h"
+
+namespace tandem {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr uint64_t kPartitionElements = 4096;  // 16 KiB partitions
+constexpr uint64_t kParams = 13 * kPartitionElements - 100;
+constexpr uint32_t kWorkers = 2;
+constexpr uint64_t kSteps = 12;
+constexpr uint64_t kKillStep = 6;
+
+v1::OptimizerConfig Optimizer() {
+  v1::OptimizerConfig o;
+  auto* adam = o.mutable_adam();
+  adam->set_lr(1e-2);
+  adam->set_weight_decay(0.01);
+  adam->set_decoupled_weight_decay(true);
+  return o;
+}
+
+google::protobuf::RepeatedPtrField<v1::TensorSpec> Tensors() {
+  google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors;
+  auto* t = tensors.Add();
+  t->set_name("weights");
+  t->add_shape(static_cast<int64_t>(kParams));
+  t->set_dtype(v1::DTYPE_FLOAT32);
+  return tensors;
+}
+
+std::vector<float> Initial() {
+  std::vector<float> v(kParams);
+  std::mt19937 rng(11);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uint64_t end) {
+  std::vector<float> g(end - begin);
+  std::mt19937 rng(static_cast<uint32_t>(step * 7919 + contributor * 104729 + begin));
+  std::normal_distribution<float> dist(0.0f, 0.5f);
+  for (auto& x : g) x = dist(rng);
+  return g;
+}
+
+// The parameters after `steps` steps without any failure: one in-process
+// store holding every partition.
+std::vector<float> Reference(uint64_t steps) {
+  class NoLinks : public server::ServerLinks {
+    void SendShare(uint64_t, uint64_t, const std::vector<ps::ShareEntry>&) override {}
+    void SendToBackup(uint64_t, const ps::Frame&, std::shared_ptr<const std::vector<float>>,
+                      std::function<void(const Status&)> done) override {
+      done(Status::Ok());
+    }
+    void SendJob(uint64_t, std::shared_ptr<const std::string>) override {}
+  } links;
+  server::ParameterStore store(server::StoreOptions{1}, &links);
+  v1::ShardMap map;
+  map.set_partition_size(kPartitionElements);
+  map.set_parameter_count(kParams);
+  map.set_version(1);
+  const uint32_t parts = static_cast<uint32_t>((kParams + kPartitionElements - 1) / kPartitionElements);
+  for (uint32_t p = 0; p < parts; ++p) {
+    auto* e = map.add_partitions();
+    e->set_id(p);
+    e->mutable_range()->set_begin(p * kPartitionElements);
+    e->mutable_range()->set_end(std::min(kParams, (p + 1) * kPartitionElements));
+    e->set_primary_member_id(1);
+  }
+  store.SetEpoch(1, 1, map, kWorkers, 0);
+  v1::InitializeParametersRequest init;
+  init.set_job_id("ps-test");
+  init.set_epoch(1);
+  *init.mutable_tensors() = Tensors();
+  *init.mutable_optimizer() = Optimizer();
+  const auto initial = Initial();
+  auto* chunk = init.mutable_values()->add_chunks();
+  chunk->mutable_range()->set_end(kParams);
+  chunk->set_dtype(v1::DTYPE_FLOAT32);
+  chunk->set_data(reinterpret_cast<const char*>(initial.data()), kParams * sizeof(float));
+  EXPECT_TRUE(store.Initialize(init).ok());
+  std::vector<float> params(kParams);
+  for (uint64_t s = 1; s <= steps; ++s) {
+    for (uint32_t p = 0; p < parts; ++p) {
+      const auto& r = map.partitions(static_cast<int>(p)).range();
+      for (uint32_t c = 0; c < kWorkers; ++c) {
+        auto g = Grad(s, c, r.begin(), r.end());
+        ps::Frame h;
+        h.type = ps::FrameType::kPush;
+        h.epoch = 1;
+        h.step = s;
+        h.partition = p;
+        h.contributor = c;
+        h.contributors = kWorkers;
+        h.dtype = v1::WIRE_DTYPE_FP32;
+        h.payload_bytes = g.size() * sizeof(float);
+        store.Push(0, h, g.data(), [](ps::Frame, std::vector<char>) {});
+      }
+    }
+    for (uint32_t p = 0; p < parts; ++p) {
+      const auto& r = map.partitions(static_cast<int>(p)).range();
+      ps::Frame h;
+      h.type = ps::FrameType::kPull;
+      h.epoch = 1;
+      h.step = s;
+      h.partition = p;
+      h.dtype = v1::WIRE_DTYPE_FP32;
+      store.Pull(0, h, [&](ps::Frame reply, std::vector<char> body) {
+        EXPECT_EQ(reply.status, 0);
+        std::memcpy(params.data() + r.begin(), body.data(), body.size());
+      });
+    }
+  }
+  return params;
+}
+
+// A worker: a member session and a parameter-server client.
+class Worker {
+ public:
+  Worker(const std::string& coordinator, uint32_t index) : index_(index) {
+    worker::PsClientOptions options;
+    options.job_id = "ps-test";
+    options.timeout = milliseconds(20000);
+    client_ = std::make_unique<worker::PsClient>(options);
+    MemberSessionOptions so;
+    so.job_id = "ps-test";
+    so.role = v1::ROLE_WORKER;
+    so.node.set_hostname("localhost");
+    so.node.set_node_id("node-a");
+    so.peer_view = v1::PEER_VIEW_FULL;
+    so.on_epoch = [this](const v1::MembershipEpoch& epoch) -> Status {
+      while (session_.load() == nullptr) std::this_thread::sleep_for(milliseconds(1));
+      MemberSession& s = *session_.load();
+      comm::CoordinatorRendezvousOptions rv;
+      rv.job_id = "ps-test";
+      rv.member_id = s.member_id();
+      rv.session_id = s.session_id();
+      rv.epoch = epoch.epoch();
+      comm::CoordinatorRendezvous rendezvous(s.channel(), rv);
+      Status st = client_->SetEpoch(epoch, s.member_id(), rendezvous);
+      epochs_.fetch_add(1);
+      return st;
+    };
+    owned_ = std::make_unique<MemberSession>(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()),
+                                             std::move(so));
+    session_.store(owned_.get());
+  }
+  ~Worker() {
+    client_->Stop();
+    if (owned_) (void)owned_->Leave("test done", milliseconds(1000));
+  }
+
+  worker::PsClient& client() { return *client_; }
+  int epochs() const { return epochs_.load(); }
+
+  // Waits until the client works in an epoch newer than `epoch`.
+  bool WaitEpochAfter(uint64_t epoch, milliseconds timeout) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (client_->epoch() > epoch) return true;
+      std::this_thread::sleep_for(milliseconds(20));
+    }
+    return false;
+  }
+
+  // Pushes every partition of `step`; then (unless `pushed` is set, when the
+  // caller decides) pulls them. Retries the step in the next epoch when one
+  // fails because of a membership change. Returns an error only for other
+  // failures.
+  Status Step(uint64_t step, std::vector<float>& params, const std::function<void()>& after_push = nullptr) {
+    for (int attempt = 0; attempt < 5; ++attempt) {
+      const uint64_t epoch = client_->epoch();
+      const v1::ShardMap map = client_->shard_map();
+      std::vector<std::vector<float>> grads;
+      std::vector<std::shared_ptr<worker::PsOp>> ops;
+      for (const auto& p : map.partitions()) {
+        grads.push_back(Grad(step, index_, p.range().begin(), p.range().end()));
+        ops.push_back(client_->Push(p.id(), step, index_, kWorkers, v1::WIRE_DTYPE_FP32, grads.back().data(),
+                                    grads.back().size() * sizeof(float)));
+      }
+      Status failed;
+      for (auto& op : ops) {
+        Status s = op->Wait(milliseconds(30000));
+        if (!s.ok() && failed.ok()) failed = s;
+      }
+      if (after_push && attempt == 0) after_push();
+      if (failed.ok()) {
+        ops.clear();
+        for (const auto& p : map.partitions()) {
+          const uint64_t n = p.range().end() - p.range().begin();
+          ops.push_back(
+              client_->Pull(p.id(), step, v1::WIRE_DTYPE_FP32, params.data() + p.range().begin(), n * sizeof(float)));
+        }
+        for (auto& op : ops) {
+          Status s = op->Wait(milliseconds(30000));
+          if (!s.ok() && failed.ok()) failed = s;
+        }
+      }
+      if (failed.ok()) return Status::Ok();
+      if (failed.code() != StatusCode::kAborted && failed.code() != StatusCode::kUnavailable &&
+          failed.code() != StatusCode::kFailedPrecondition) {
+        return failed;
+      }
+      ++retries_;
+      if (!WaitEpochAfter(epoch, milliseconds(30000))) {
+        return DeadlineExceeded("step {}: no new epoch after {}", step, failed.ToString());
+      }
+    }
+    return Aborted("step {}: gave up after 5 attempts", step);
+  }
+  int retries() const { return retries_; }
+
+ private:
+  const uint32_t index_;
+  std::unique_ptr<worker::PsClient> client_;
+  std::atomic<MemberSession*> session_{nullptr};
+  std::unique_ptr<MemberSession> owned_;
+  std::atomic<int> epochs_{0};
+  int retries_ = 0;
+};
+
+TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
+  testing::TempDir dir;
+  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(),
+                                          {"--job-id",
+                                           "ps-test",
+                                           "--job-min-workers",
+                                           "2",
+                                           "--job-max-workers",
+                                           "2",
+                                           "--job-min-servers",
+                                           "2",
+                                           "--job-last-call-window",
+                                           "500ms",
+                                           "--job-parameter-count",
+                                           std::to_string(kParams),
+                                           "--job-partition-size",
+                                           "16KiB",
+                                           "--job-heartbeat-interval",
+                                           "200ms",
+                                           "--job-heartbeat-deadline",
+                                           "3s",
+                                           "--job-stream-grace",
+                                           "300ms"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  const std::string address = coordinator->ready.grpc_address;
+  std::vector<cli::LaunchedDaemon> servers;
+  for (int i = 0; i < 3; ++i) {
+    auto s = testing::StartDaemon("tandem-server", "server-" + std::to_string(i), dir.path(),
+                                  {"--coordinator-address", address, "--job-id", "ps-test", "--node-id",
+                                   "node-s" + std::to_string(i), "--server-threads", "1", "--server-timeout", "20s"});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    servers.push_back(std::move(*s));
+  }
+  std::vector<std::unique_ptr<Worker>> workers;
+  for (uint32_t w = 0; w < kWorkers; ++w) workers.push_back(std::make_unique<Worker>(address, w));
+  for (auto& w : workers) {
+    ASSERT_TRUE(w->WaitEpochAfter(0, milliseconds(30000))) << testing::ReadFile(servers[0].log_file);
+  }
+  ASSERT_EQ(workers[0]->client().shard_map().partitions_size(), 13);
+  // Every worker initialises; each partition is initialised once.
+  const auto initial = Initial();
+  int initialized = 0;
+  for (auto& w : workers) {
+    auto n = w->client().Initialize(Tensors(), Optimizer(), v1::ConsistencyConfig(), initial.data());
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    initialized += *n;
+  }
+  EXPECT_EQ(initialized, 26);  // 13 primaries and 13 backups, each once
+
+  // Which server to kill: the primary of partition 0.
+  const uint64_t victim_member = workers[0]->client().shard_map().partitions(0).primary_member_id();
+  std::map<uint64_t, v1::GetStatsResponse> stats0;
+  {
+    auto stats = workers[0]->client().Stats();
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    stats0 = *stats;
+  }
+  ASSERT_EQ(stats0.size(), 3u);
+  size_t victim = 3;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    const std::string log = testing::ReadFile(servers[i].log_file);
+    if (log.find("(member " + std::to_string(victim_member) + ")") != std::string::npos) victim = i;
+  }
+  ASSERT_LT(victim, servers.size());
+
+  std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kParams));
+  std::latch pushed(1);
+  std::vector<Status> results(kWorkers);
+  std::vector<std::thread> threads;
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      for (uint64_t s = 1; s <= kSteps; ++s) {
+        std::function<void()> after;
+        if (s == kKillStep && w == 0) {
+          // Worker 0 has pushed step 6 everywhere; kill the victim before
+          // worker 1 pushes (the step cannot complete in this epoch).
+          after = [&] {
+            EXPECT_TRUE(servers[victim].process->Signal(SIGKILL).ok());
+            pushed.count_down();
+          };
+        }
+        if (s == kKillStep && w == 1) pushed.wait();
+        Status st = workers[w]->Step(s, params[w], after);
+        if (!st.ok()) {
+          results[w] = st;
+          if (s == kKillStep && w == 0) pushed.count_down();
+          return;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (uint32_t w = 0; w < kWorkers; ++w)
+    ASSERT_TRUE(results[w].ok()) << "worker " << w << ": " << results[w].ToString();
+  EXPECT_GE(workers[0]->retries() + workers[1]->retries(), 1);
+  EXPECT_GE(workers[0]->client().epoch(), 2u);
+
+  // Both workers hold the same parameters, equal to a run without failure.
+  const auto reference = Reference(kSteps);
+  EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), kParams * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(params[0].data(), reference.data(), kParams * sizeof(float)), 0);
+  EXPECT_NE(params[0][0], initial[0]);
+
+  // Every partition: primary and backup on the two survivors, same version
+  // (kSteps updates), and the promotion and the transfer are in the logs.
+  auto stats = workers[0]->client().Stats();
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  ASSERT_EQ(stats->size(), 2u);
+  std::map<uint32_t, std::vector<uint64_t>> versions;
+  for (auto& [member, s] : *stats) {
+    for (const auto& p : s.partitions()) {
+      versions[p.partition_id()].push_back(p.version());
+      EXPECT_EQ(p.step(), kSteps);
+    }
+  }
+  ASSERT_EQ(versions.size(), 13u);
+  for (auto& [id, v] : versions) {
+    EXPECT_EQ(v.size(), 2u) << "partition " << id << " has no backup";
+    for (uint64_t x : v) EXPECT_EQ(x, kSteps + 1) << "partition " << id;
+  }
+  std::string survivors_log;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    if (i != victim) survivors_log += testing::ReadFile(servers[i].log_file);
+  }
+  EXPECT_NE(survivors_log.find("promoted to primary"), std::string::npos) << survivors_log;
+  EXPECT_NE(survivors_log.find("received its state from member"), std::string::npos) << survivors_log;
+
+  // A consistent checkpoint through the control service, then a restore.
+  const std::string ckpt = dir.path() + "/checkpoints";
+  auto saved = workers[0]->client().SaveCheckpoint(ckpt, kSteps, "", false);
+  ASSERT_TRUE(saved.ok()) << saved.status().ToString();
+  for (const auto& info : *saved) {
+    EXPECT_EQ(info.state(), v1::CHECKPOINT_STATE_COMPLETE);
+    EXPECT_EQ(info.step(), kSteps);
+  }
+  const std::string path =
+      ckpt + "/step-" + std::string(10 - std::to_string(kSteps).size(), '0') + std::to_string(kSteps);
+  EXPECT_TRUE(std::filesystem::exists(path)) << path;
+  auto again = workers[0]->client().SaveCheckpoint(ckpt, kSteps, "", false);
+  EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status().ToString();
+  EXPECT_TRUE(workers[0]->client().RestoreCheckpoint(path, false).ok());
+  // A pull after the restore returns the saved parameters.
+  std::vector<float> restored(kParams);
+  const v1::ShardMap map = workers[0]->client().shard_map();
+  for (const auto& p : map.partitions()) {
+    auto op = workers[0]->client().Pull(p.id(), 0, v1::WIRE_DTYPE_FP32, restored.data() + p.range().begin(),
+                                        (p.range().end() - p.range().begin()) * sizeof(float));
+    ASSERT_TRUE(op->Wait(milliseconds(10000)).ok());
+  }
+  EXPECT_EQ(restored, params[0]);
+
+  workers.clear();
+  for (size_t i = 0; i < servers.size(); ++i) {
+    if (i == victim) continue;
+    ASSERT_TRUE(servers[i].process->Signal(SIGTERM).ok());
+    auto exit = servers[i].process->Wait(milliseconds(10000));
+    ASSERT_TRUE(exit.ok());
+    EXPECT_EQ(exit->code, 0) << testing::ReadFile(servers[i].log_file);
+  }
+}
+
+}  // namespace
+}  // namespace tandem
