@@ -457,6 +457,12 @@ void PsNode::Stop() {
 
 Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session) {
   if (stopping_.load()) return Unavailable("the server is shutting down");
+  {
+    // The same epoch again (activated, or re-sent after a reconnection).
+    std::lock_guard lock(mu_);
+    if (group_ && group_->epoch == epoch.epoch()) return Status::Ok();
+  }
+  if (store_->epoch() == epoch.epoch() && epoch.shard_map().partitions_size() == 0) return Status::Ok();
   const uint64_t self = session.member_id();
   service_->SetToken(session.options().token);
   // The store first: whatever was waiting in the old epoch fails now.

@@ -15,11 +15,13 @@
 #include <filesystem>
 #include <latch>
 #include <random>
+#include <regex>
 #include <thread>
 
 #include <gtest/gtest.h>
 
 #include "common/coordinator_rendezvous.h"
+#include "common/health.h"
 #include "common/member_session.h"
 #include "launch_util.h"
 #include "server/ps_core.h"
@@ -155,6 +157,9 @@ class Worker {
     so.node.set_hostname("localhost");
     so.node.set_node_id("node-a");
     so.peer_view = v1::PEER_VIEW_FULL;
+    v1::Endpoint ps;
+    ps.set_transport(transport::kPsEndpoint);
+    so.endpoints.push_back(ps);
     so.on_epoch = [this](const v1::MembershipEpoch& epoch) -> Status {
       while (session_.load() == nullptr) std::this_thread::sleep_for(milliseconds(1));
       MemberSession& s = *session_.load();
@@ -405,6 +410,86 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(exit.ok());
     EXPECT_EQ(exit->code, 0) << testing::ReadFile(servers[i].log_file);
   }
+}
+
+// The value of an unlabelled metric on a daemon's /metrics page, or -1.
+double Metric(const cli::LaunchedDaemon& daemon, const std::string& name) {
+  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
+  if (!body.ok()) return -1;
+  std::smatch m;
+  if (std::regex_search(*body, m, std::regex("\n" + name + " ([0-9.e+-]+)"))) return std::stod(m[1].str());
+  return -1;
+}
+
+bool WaitUntil(const std::function<bool()>& pred, milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return pred();
+}
+
+// tandem-worker daemons join the epoch's parameter-server group by
+// themselves (workers without a data plane are left out, so nobody waits for
+// them: coordinator_process_test runs servers beside such workers). The
+// servers report their partitions, and a server killed with SIGKILL leaves
+// its partitions promoted on the survivor.
+TEST(PsProcessTest, WorkerDaemonsJoinTheServersGroupEveryEpoch) {
+  testing::TempDir dir;
+  auto coordinator = testing::StartDaemon(
+      "tandem-coordinator", "coordinator", dir.path(),
+      {"--job-min-workers", "2", "--job-max-workers", "2", "--job-min-servers", "1", "--job-last-call-window", "800ms",
+       "--job-parameter-count", "100000", "--job-partition-size", "64KiB", "--job-stream-grace", "300ms"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  const std::string address = coordinator->ready.grpc_address;
+  std::vector<cli::LaunchedDaemon> servers;
+  for (int i = 0; i < 2; ++i) {
+    auto s = testing::StartDaemon("tandem-server", "server-" + std::to_string(i), dir.path(),
+                                  {"--coordinator-address", address, "--node-id", "s" + std::to_string(i)});
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    servers.push_back(std::move(*s));
+  }
+  std::vector<cli::LaunchedDaemon> workers;
+  for (int i = 0; i < 2; ++i) {
+    std::vector<std::string> args = {"--coordinator-address", address, "--data-plane-timeout", "15s"};
+    auto w = testing::StartDaemon("tandem-worker", "worker-" + std::to_string(i), dir.path(), args);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    workers.push_back(std::move(*w));
+  }
+  for (auto& s : servers) {
+    EXPECT_TRUE(WaitUntil([&] { return Metric(s, "tandem_server_epoch") >= 1; }, milliseconds(30000)))
+        << testing::ReadFile(s.log_file);
+    const std::string log = testing::ReadFile(s.log_file);
+    // Two servers and the two workers with a data plane.
+    EXPECT_NE(log.find("parameter-server group of 4 members ready"), std::string::npos) << log;
+  }
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        return Metric(servers[0], "tandem_server_primary_partitions") +
+                   Metric(servers[1], "tandem_server_primary_partitions") ==
+               7;
+      },
+      milliseconds(5000)));
+  EXPECT_EQ(Metric(servers[0], "tandem_server_backup_partitions"),
+            Metric(servers[1], "tandem_server_primary_partitions"));
+  // SIGKILL one server: the survivor holds every partition as primary.
+  ASSERT_TRUE(servers[1].process->Signal(SIGKILL).ok());
+  EXPECT_TRUE(
+      WaitUntil([&] { return Metric(servers[0], "tandem_server_primary_partitions") == 7; }, milliseconds(30000)))
+      << testing::ReadFile(servers[0].log_file);
+  EXPECT_EQ(Metric(servers[0], "tandem_server_backup_partitions"), 0);
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        const std::string log = testing::ReadFile(servers[0].log_file);
+        return log.find("parameter-server group of 3 members ready") != std::string::npos;
+      },
+      milliseconds(30000)))
+      << testing::ReadFile(servers[0].log_file);
+  ASSERT_TRUE(servers[0].process->Signal(SIGTERM).ok());
+  auto exit = servers[0].process->Wait(milliseconds(10000));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->code, 0) << testing::ReadFile(servers[0].log_file);
 }
 
 }  // namespace

@@ -74,6 +74,9 @@ DataPlane::~DataPlane() {
 Status DataPlane::Hook(MemberHooks* hooks) {
   if (config_.backend == "off") return Status::Ok();
   hooks->peer_view = v1::PEER_VIEW_FULL;
+  v1::Endpoint ps;
+  ps.set_transport(transport::kPsEndpoint);
+  hooks->endpoints.push_back(ps);
   hooks->on_epoch = [this](const v1::MembershipEpoch& epoch, MemberSession& session) {
     return OnEpoch(epoch, session);
   };
@@ -88,6 +91,7 @@ void DataPlane::Stop() {
   stopping_ = true;
   std::lock_guard lock(mu_);
   if (manager_) manager_->Abort("the worker is shutting down");
+  if (ps_client_) ps_client_->Stop();
 }
 
 Result<std::unique_ptr<comm::Communicator>> DataPlane::Make(const comm::CommInfo& info,
@@ -118,6 +122,13 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   const auto start = Clock::now();
   {
     std::lock_guard lock(mu_);
+    if (!ps_client_) {
+      PsClientOptions ps;
+      ps.job_id = session.options().job_id;
+      ps.token = session.options().token;
+      ps.timeout = config_.timeout;
+      ps_client_ = std::make_unique<PsClient>(ps);
+    }
     if (!manager_) {
       member_id_ = session.member_id();
       comm::CommManagerOptions options;
@@ -141,6 +152,9 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   comm::CoordinatorRendezvous rendezvous(session.channel(), rv);
   Status built = manager_->SetEpoch(epoch, rendezvous);
   if (built.ok() && config_.self_check) built = SelfCheck();
+  if (built.ok() && epoch.server_count() > 0 && epoch.shard_map().partitions_size() > 0) {
+    built = ps_client_->SetEpoch(epoch, session.member_id(), rendezvous);
+  }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   metrics_->build_seconds->Set(seconds);
   if (!built.ok()) {

@@ -14,6 +14,10 @@
 // and `ucx` force one; `off` builds nothing (a worker without a data plane,
 // for control-plane tests).
 //
+// When the epoch has parameter servers, the worker also joins the epoch's
+// parameter-server group (its PsClient, worker/ps/ps_client.h): it registers
+// an endpoint "ps" so the servers include it.
+//
 // Heartbeats carry every communicator's collective sequence numbers, so the
 // coordinator (and `tandem status`) can name the ranks that never entered a
 // collective the others wait in.
@@ -32,6 +36,7 @@
 #include "common/daemon.h"
 #include "worker/comm/comm_manager.h"
 #include "worker/comm/factory.h"
+#include "worker/ps/ps_client.h"
 
 namespace tandem::worker {
 
@@ -56,6 +61,8 @@ class DataPlane {
   void Stop();
 
   comm::CommManager& manager() { return *manager_; }
+  // The parameter-server client, joined to every epoch that has servers.
+  PsClient& ps_client() { return *ps_client_; }
 
  private:
   Status OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session);
@@ -65,6 +72,7 @@ class DataPlane {
 
   const DataPlaneConfig config_;
   std::unique_ptr<comm::CommManager> manager_;
+  std::unique_ptr<PsClient> ps_client_;
   std::mutex mu_;
   v1::MembershipEpoch epoch_;  // the epoch being built (the factory reads node placement from it)
   uint64_t member_id_ = 0;

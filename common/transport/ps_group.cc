@@ -12,22 +12,34 @@ std::vector<int> PsGroup::Ranks(v1::Role role) const {
   return out;
 }
 
+bool InPsGroup(const v1::Peer& peer) {
+  if (peer.role() == v1::ROLE_SERVER) return true;
+  for (const auto& e : peer.endpoints()) {
+    if (e.transport() == kPsEndpoint) return true;
+  }
+  return false;
+}
+
 Result<PsGroup> BuildPsGroup(const v1::MembershipEpoch& epoch, uint64_t self, comm::Rendezvous& rendezvous,
                              const UcxOptions& options, std::chrono::milliseconds timeout) {
   PsGroup group;
+  const size_t expected = static_cast<size_t>(epoch.worker_count()) + epoch.server_count();
+  if (static_cast<size_t>(epoch.peers_size()) != expected) {
+    return FailedPrecondition("epoch {} lists {} members of {}: the parameter-server group needs the full peer view",
+                              epoch.epoch(), epoch.peers_size(), expected);
+  }
   for (const auto& peer : epoch.peers()) {
+    if (!InPsGroup(peer)) continue;
     group.rank_of[peer.member_id()] = static_cast<int>(group.members.size());
     group.members.push_back(peer.member_id());
     group.roles.push_back(peer.role());
   }
-  const size_t expected = static_cast<size_t>(epoch.worker_count()) + epoch.server_count();
-  if (group.members.size() != expected) {
-    return FailedPrecondition("epoch {} lists {} members of {}: the parameter-server group needs the full peer view",
-                              epoch.epoch(), group.members.size(), expected);
-  }
   auto self_rank = group.rank_of.find(self);
   if (self_rank == group.rank_of.end()) {
-    return FailedPrecondition("member {} is not part of epoch {}", self, epoch.epoch());
+    return FailedPrecondition(
+        "member {} is not in the parameter-server group of epoch {} (a worker joins it by registering an endpoint "
+        "with transport \"{}\")",
+        self, epoch.epoch(), kPsEndpoint);
   }
   group.rank = self_rank->second;
   TANDEM_ASSIGN_OR_RETURN(group.transport, UcxTransport::Create(options));

@@ -3,6 +3,9 @@
 // processes of a node, TCP or verbs between nodes), over which gradients are
 // pushed, parameters pulled, and servers share step decisions and replicate.
 //
+// Members: every server of the epoch, and every worker that registered an
+// Endpoint with transport "ps" (kPsEndpoint: it takes part in pushes and
+// pulls; a worker without a data plane does not, and nobody waits for it).
 // Ranks follow the epoch's peer list (workers first, then servers, each by
 // global rank). Each member publishes its UCX address through the epoch's
 // rendezvous under "ps/<epoch>/<member id>", reads everyone else's, and
@@ -25,6 +28,12 @@
 #include "tandem/v1/types.pb.h"
 
 namespace tandem::transport {
+
+// The Endpoint transport name a worker registers to join the group.
+inline constexpr char kPsEndpoint[] = "ps";
+
+// Whether `peer` is a member of its epoch's parameter-server group.
+bool InPsGroup(const v1::Peer& peer);
 
 struct PsGroup {
   std::unique_ptr<UcxTransport> transport;

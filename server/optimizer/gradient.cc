@@ -6,7 +6,7 @@
 #include <cstring>
 
 // Built with -O3 -ffp-contract=off (server/CMakeLists.txt); on x86-64 with GCC
-// the loops are cloned for AVX2 and chosen at load time.
+// the loops are cloned for AVX-512 and AVX2 and chosen at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
     !defined(__SANITIZE_THREAD__)
 #define TANDEM_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -17,7 +17,7 @@
 namespace tandem::server {
 namespace {
 
-// Four lanes of doubles and floats (GCC/clang vector extensions: one AVX2
+// Four lanes of doubles and floats (GCC/clang vector extensions: one AVX
 // register, or two SSE2 registers in the baseline clone, with the same
 // per-lane arithmetic either way).
 using V4d = double __attribute__((vector_size(32)));

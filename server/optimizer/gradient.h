@@ -10,7 +10,7 @@
 // from 65520 on and has subnormals down to 2^-24. Widening is exact.
 //
 // Every function is one vectorised pass (built like the optimizer's kernels:
-// -O3, an AVX2 clone on x86-64, no contraction), handles any length (a
+// -O3, AVX-512 and AVX2 clones on x86-64, no contraction), handles any length (a
 // scalar tail finishes what the vectors leave) and any alignment of the wire
 // data, and is deterministic: the same input gives the same bits on every
 // CPU the clones run on.

@@ -14,8 +14,8 @@
 // element i of the inputs and on per-step scalars, which are computed in
 // double once per call from (update_index, group, grad_scale) and rounded to
 // float. The element math is fp32 with no fused multiply-adds (the kernel is
-// built with -ffp-contract=off) and no reassociation, so the AVX2 clone and
-// the baseline clone, a vector lane and the scalar tail, one call over
+// built with -ffp-contract=off) and no reassociation, so the AVX-512, AVX2
+// and baseline clones, a vector lane and the scalar tail, one call over
 // [0, n) and any number of calls over pieces of it all give bit-identical
 // results: a backup server that replays the primary's update ends
 // bit-identical to it however either splits the work.

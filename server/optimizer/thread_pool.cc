@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace tandem::server {
 namespace {
 
@@ -13,9 +17,15 @@ size_t RoundUp(size_t v, size_t to) {
   return (v + to - 1) / to * to;
 }
 
+void CpuRelax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
 }  // namespace
 
-ThreadPool::ThreadPool(int threads) : size_(std::max(threads, 1)) {
+ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin) : size_(std::max(threads, 1)), spin_(spin) {
   threads_.reserve(static_cast<size_t>(size_ - 1));
   for (int i = 1; i < size_; ++i) threads_.emplace_back([this] { WorkerLoop(); });
 }
@@ -24,6 +34,7 @@ ThreadPool::~ThreadPool() {
   {
     std::lock_guard lock(mu_);
     stop_ = true;
+    wake_.store(true, std::memory_order_relaxed);
   }
   work_cv_.notify_all();
   for (std::thread& t : threads_) t.join();
@@ -45,32 +56,59 @@ void ThreadPool::ParallelFor(size_t n, size_t grain, const std::function<void(si
   Job job{&fn, n, chunk, (n + chunk - 1) / chunk, 0, 0};
   std::unique_lock lock(mu_);
   queue_.push_back(&job);
+  wake_.store(true, std::memory_order_relaxed);
   work_cv_.notify_all();
   // Work on this call's chunks while any is unclaimed (other callers' jobs
   // are left to the pool threads, so this call returns as soon as it can).
   while (job.next < job.chunks) {
     const size_t index = job.next++;
-    if (job.next == job.chunks) queue_.erase(std::find(queue_.begin(), queue_.end(), &job));
+    if (job.next == job.chunks) {
+      queue_.erase(std::find(queue_.begin(), queue_.end(), &job));
+      wake_.store(!queue_.empty() || stop_, std::memory_order_relaxed);
+    }
     lock.unlock();
     fn(index * chunk, std::min(n, (index + 1) * chunk));
     lock.lock();
-    ++job.done;
+    job.done.fetch_add(1);
   }
   // Pool threads count their chunks done under mu_ and never touch the job
   // after that, so once done == chunks the job may leave this stack frame.
-  done_cv_.wait(lock, [&] { return job.done == job.chunks; });
+  if (job.done.load() != job.chunks && spin_.count() > 0) {
+    lock.unlock();
+    Spin([&] { return job.done.load() == job.chunks; });
+    lock.lock();
+  }
+  done_cv_.wait(lock, [&] { return job.done.load() == job.chunks; });
+}
+
+template <typename Ready>
+void ThreadPool::Spin(const Ready& ready) const {
+  const auto until = std::chrono::steady_clock::now() + spin_;
+  while (!ready() && std::chrono::steady_clock::now() < until) {
+    for (int i = 0; i < 16; ++i) CpuRelax();
+  }
 }
 
 ThreadPool::Job* ThreadPool::Claim(size_t* index) {
   Job* job = queue_.front();
   *index = job->next++;
-  if (job->next == job->chunks) queue_.pop_front();
+  if (job->next == job->chunks) {
+    queue_.pop_front();
+    wake_.store(!queue_.empty() || stop_, std::memory_order_relaxed);
+  }
   return job;
 }
 
 void ThreadPool::WorkerLoop() {
   std::unique_lock lock(mu_);
   while (true) {
+    if (!stop_ && queue_.empty() && spin_.count() > 0) {
+      // Spin a while before sleeping (see the header); wake_ is only a hint,
+      // the queue is checked under the lock.
+      lock.unlock();
+      Spin([&] { return wake_.load(std::memory_order_relaxed); });
+      lock.lock();
+    }
     work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
     if (stop_) return;
     size_t index = 0;
@@ -78,9 +116,11 @@ void ThreadPool::WorkerLoop() {
     lock.unlock();
     (*job->fn)(index * job->chunk, std::min(job->n, (index + 1) * job->chunk));
     lock.lock();
-    // Notify under the lock: once it is released the caller may return and
-    // `job` be gone.
-    if (++job->done == job->chunks) done_cv_.notify_all();
+    // The last access to `job`: once done == chunks the caller may return
+    // and the job be gone (done_cv_ is the pool's). Notified under the lock,
+    // so a caller about to wait cannot miss it.
+    const size_t chunks = job->chunks;
+    if (job->done.fetch_add(1) + 1 == chunks) done_cv_.notify_all();
   }
 }
 

@@ -93,6 +93,8 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   uint64_t previous = 0;
   {
     std::lock_guard lock(mu_);
+    // The same epoch again (activated, or re-sent after a reconnection).
+    if (epoch.epoch() <= epoch_.epoch()) return Status::Ok();
     old = std::move(group_);
     previous = epoch_.epoch();
     // Control channels to the servers of this epoch (kept across epochs).
