@@ -37,6 +37,7 @@ constexpr uint64_t kParams = 13 * kPartitionElements - 100;
 constexpr uint32_t kWorkers = 2;
 constexpr uint64_t kSteps = 12;
 constexpr uint64_t kKillStep = 6;
+constexpr uint64_t kSaveStep = 9;
 
 v1::OptimizerConfig Optimizer() {
   v1::OptimizerConfig o;
@@ -141,6 +142,24 @@ std::vector<float> Reference(uint64_t steps) {
     }
   }
   return params;
+}
+
+// The value of an unlabelled metric on a daemon's /metrics page, or -1.
+double Metric(const cli::LaunchedDaemon& daemon, const std::string& name) {
+  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
+  if (!body.ok()) return -1;
+  std::smatch m;
+  if (std::regex_search(*body, m, std::regex("\n" + name + " ([0-9.e+-]+)"))) return std::stod(m[1].str());
+  return -1;
+}
+
+bool WaitUntil(const std::function<bool()>& pred, milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (pred()) return true;
+    std::this_thread::sleep_for(milliseconds(50));
+  }
+  return pred();
 }
 
 // A worker: a member session and a parameter-server client.
@@ -317,6 +336,9 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   ASSERT_LT(victim, servers.size());
 
   std::vector<std::vector<float>> params(kWorkers, std::vector<float>(kParams));
+  const std::string ckpt = dir.path() + "/checkpoints";
+  std::thread saver;
+  Result<std::vector<v1::CheckpointInfo>> mid_save = Unavailable("not run");
   std::latch pushed(1);
   std::vector<Status> results(kWorkers);
   std::vector<std::thread> threads;
@@ -333,6 +355,10 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
           };
         }
         if (s == kKillStep && w == 1) pushed.wait();
+        if (s == kSaveStep - 1 && w == 0) {
+          // An asynchronous save of a later step while training runs.
+          saver = std::thread([&] { mid_save = workers[0]->client().SaveCheckpoint(ckpt, kSaveStep, "mid", true); });
+        }
         Status st = workers[w]->Step(s, params[w], after);
         if (!st.ok()) {
           results[w] = st;
@@ -343,6 +369,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     });
   }
   for (auto& t : threads) t.join();
+  if (saver.joinable()) saver.join();
   for (uint32_t w = 0; w < kWorkers; ++w)
     ASSERT_TRUE(results[w].ok()) << "worker " << w << ": " << results[w].ToString();
   EXPECT_GE(workers[0]->retries() + workers[1]->retries(), 1);
@@ -378,8 +405,45 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   EXPECT_NE(survivors_log.find("promoted to primary"), std::string::npos) << survivors_log;
   EXPECT_NE(survivors_log.find("received its state from member"), std::string::npos) << survivors_log;
 
-  // A consistent checkpoint through the control service, then a restore.
-  const std::string ckpt = dir.path() + "/checkpoints";
+  auto pull_all = [&] {
+    std::vector<float> out(kParams);
+    const v1::ShardMap map = workers[0]->client().shard_map();
+    for (const auto& p : map.partitions()) {
+      auto op = workers[0]->client().Pull(p.id(), 0, v1::WIRE_DTYPE_FP32, out.data() + p.range().begin(),
+                                          (p.range().end() - p.range().begin()) * sizeof(float));
+      EXPECT_TRUE(op->Wait(milliseconds(10000)).ok());
+    }
+    return out;
+  };
+  // The asynchronous save of step 9 taken while training ran: complete on
+  // every server, and restoring it gives the parameters of step 9.
+  ASSERT_TRUE(mid_save.ok()) << mid_save.status().ToString();
+  for (const auto& info : *mid_save) {
+    EXPECT_EQ(info.step(), kSaveStep);
+    EXPECT_NE(info.state(), v1::CHECKPOINT_STATE_FAILED) << info.error();
+  }
+  EXPECT_TRUE(WaitUntil(
+      [&] {
+        auto st = workers[0]->client().Stats();
+        if (!st.ok()) return false;
+        for (auto& [member, s] : *st) {
+          if (s.last_checkpoint().checkpoint_id() != "mid" ||
+              s.last_checkpoint().state() != v1::CHECKPOINT_STATE_COMPLETE) {
+            return false;
+          }
+        }
+        return true;
+      },
+      milliseconds(20000)))
+      << [&] {
+           auto st = workers[0]->client().Stats();
+           std::string out = st.status().ToString();
+           if (st.ok()) {
+             for (auto& [member, s] : *st) out += "\n" + s.last_checkpoint().ShortDebugString();
+           }
+           return out;
+         }();
+  // A synchronous checkpoint of the end state, then a restore.
   auto saved = workers[0]->client().SaveCheckpoint(ckpt, kSteps, "", false);
   ASSERT_TRUE(saved.ok()) << saved.status().ToString();
   for (const auto& info : *saved) {
@@ -393,14 +457,11 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status().ToString();
   EXPECT_TRUE(workers[0]->client().RestoreCheckpoint(path, false).ok());
   // A pull after the restore returns the saved parameters.
-  std::vector<float> restored(kParams);
-  const v1::ShardMap map = workers[0]->client().shard_map();
-  for (const auto& p : map.partitions()) {
-    auto op = workers[0]->client().Pull(p.id(), 0, v1::WIRE_DTYPE_FP32, restored.data() + p.range().begin(),
-                                        (p.range().end() - p.range().begin()) * sizeof(float));
-    ASSERT_TRUE(op->Wait(milliseconds(10000)).ok());
-  }
-  EXPECT_EQ(restored, params[0]);
+  EXPECT_EQ(pull_all(), params[0]);
+  ASSERT_TRUE(workers[0]->client().RestoreCheckpoint(ckpt + "/mid", false).ok());
+  const auto at_save = pull_all();
+  const auto reference_at_save = Reference(kSaveStep);
+  EXPECT_EQ(std::memcmp(at_save.data(), reference_at_save.data(), kParams * sizeof(float)), 0);
 
   workers.clear();
   for (size_t i = 0; i < servers.size(); ++i) {
@@ -410,24 +471,6 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(exit.ok());
     EXPECT_EQ(exit->code, 0) << testing::ReadFile(servers[i].log_file);
   }
-}
-
-// The value of an unlabelled metric on a daemon's /metrics page, or -1.
-double Metric(const cli::LaunchedDaemon& daemon, const std::string& name) {
-  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
-  if (!body.ok()) return -1;
-  std::smatch m;
-  if (std::regex_search(*body, m, std::regex("\n" + name + " ([0-9.e+-]+)"))) return std::stod(m[1].str());
-  return -1;
-}
-
-bool WaitUntil(const std::function<bool()>& pred, milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(milliseconds(50));
-  }
-  return pred();
 }
 
 // tandem-worker daemons join the epoch's parameter-server group by

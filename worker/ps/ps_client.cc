@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -382,21 +383,37 @@ Result<std::vector<v1::CheckpointInfo>> PsClient::SaveCheckpoint(const std::stri
     servers = servers_;
     epoch = epoch_.epoch();
   }
-  std::vector<v1::CheckpointInfo> infos;
-  for (auto& [member, server] : servers) {
-    v1::SaveCheckpointRequest request;
-    request.set_job_id(options_.job_id);
-    request.set_token(options_.token);
-    request.set_step(step);
-    request.set_directory(directory);
-    request.set_async(async);
-    request.set_checkpoint_id(id);
-    request.set_epoch(epoch);
+  // Every server at once: each captures its partitions exactly when they
+  // complete `step`, so all of them must be asked before training gets
+  // there.
+  struct Call {
+    uint64_t member = 0;
+    std::shared_ptr<Server> server;
     v1::SaveCheckpointResponse response;
-    auto context = Context();
-    Status status = Status::FromGrpc(server->stub->SaveCheckpoint(context.get(), request, &response));
-    if (!status.ok()) return status.WithContext(fmt::format("checkpoint on server {}", member));
-    infos.push_back(response.checkpoint());
+    Status status;
+  };
+  std::vector<Call> calls;
+  for (auto& [member, server] : servers) calls.push_back(Call{member, server, {}, {}});
+  std::vector<std::thread> threads;
+  for (auto& call : calls) {
+    threads.emplace_back([&, c = &call] {
+      v1::SaveCheckpointRequest request;
+      request.set_job_id(options_.job_id);
+      request.set_token(options_.token);
+      request.set_step(step);
+      request.set_directory(directory);
+      request.set_async(async);
+      request.set_checkpoint_id(id);
+      request.set_epoch(epoch);
+      auto context = Context();
+      c->status = Status::FromGrpc(c->server->stub->SaveCheckpoint(context.get(), request, &c->response));
+    });
+  }
+  for (auto& t : threads) t.join();
+  std::vector<v1::CheckpointInfo> infos;
+  for (auto& call : calls) {
+    if (!call.status.ok()) return call.status.WithContext(fmt::format("checkpoint on server {}", call.member));
+    infos.push_back(call.response.checkpoint());
   }
   return infos;
 }
