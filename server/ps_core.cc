@@ -1278,7 +1278,6 @@ void ParameterStore::ServePullsLocked(Part& part, Actions& actions) {
 }
 
 void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
-  (void)from;
   counters_.pulls.fetch_add(1);
   auto refuse = [&](const Status& status) {
     std::vector<char> body;
@@ -1303,10 +1302,22 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
   Actions actions;
   {
     std::lock_guard plock(part->mu);
-    PendingPull pull{h.partition, h, 0, std::move(reply)};
+    PendingPull pull{from, h, 0, std::move(reply)};
+    bool refused = false;
     if (sync) {
       if (h.step > part->state.step + 1) {
-        // Cannot be reached without a push of this puller's that has not come.
+        // It could only be reached after a step this puller has not pushed.
+        const Status future = FailedPrecondition(
+            "step {} is from the future: partition {} has completed step {}, the next is {}", h.step, h.partition,
+            part->state.step, part->state.step + 1);
+        std::vector<char> body;
+        ps::Frame r = ErrorReply(h, ps::FrameType::kPullReply,
+                                 future.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)),
+                                 &body);
+        actions.push_back([rep = std::move(pull.reply), r, body = std::move(body)]() mutable {
+          rep(r, std::move(body));
+        });
+        refused = true;
       }
       pull.target = h.step;
     } else {
@@ -1315,8 +1326,10 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
         part->clocks.assign(h.contributors, start_step);
       }
     }
-    part->pulls.push_back(std::move(pull));
-    ServePullsLocked(*part, actions);
+    if (!refused) {
+      part->pulls.push_back(std::move(pull));
+      ServePullsLocked(*part, actions);
+    }
   }
   Run(actions);
 }

@@ -411,6 +411,10 @@ TEST_F(PsCoreTest, BadPushesGetClearErrorsAndChangeNothing) {
   expect_error(Push(PrimaryOf(0), 1, 1, 0, 2, 2, Grad(1, 0, b, e)), StatusCode::kInvalidArgument, "contributor 2");
   expect_error(Push(PrimaryOf(0), 1, 1, 99, 0, 2, Grad(1, 0, b, e)), StatusCode::kNotFound, "partition 99");
   expect_error(Push(*BackupOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e)), StatusCode::kFailedPrecondition, "not the primary");
+  auto far = Pull(PrimaryOf(0), 1, 3, 0);
+  ASSERT_TRUE(far->done);
+  EXPECT_EQ(far->status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(far->status().message().find("future"), std::string::npos);
   auto wrong_dtype = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e), static_cast<v1::WireDType>(9));
   expect_error(wrong_dtype, StatusCode::kInvalidArgument, "dtype");
   // A push naming another contributor count than the step's first push.
