@@ -10,12 +10,14 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <map>
+#include <ostream>
 #include <random>
 #include <string>
 #include <thread>
@@ -404,6 +406,10 @@ struct RuleCase {
   std::string group;  // the group whose parameters the run uses
 };
 
+void PrintTo(const RuleCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
 std::vector<RuleCase> RuleCases() {
   std::vector<RuleCase> cases;
   auto add = [&](std::string name, v1::OptimizerConfig c, std::string group = "") {
@@ -674,8 +680,8 @@ TEST(DeterminismTest, SplitRangesAndThreadPoolsAreBitIdenticalToOneCall) {
 // --- ThreadPool ---------------------------------------------------------------
 
 TEST(ThreadPoolTest, CoversEveryIndexOnceInAlignedChunksOfAtLeastTheGrain) {
-  for (int threads : {1, 2, 4}) {
-    ThreadPool pool(threads);
+  for (const auto& [threads, spin] : {std::pair{1, 0}, {2, 0}, {2, 200}, {4, 0}, {4, 200}}) {
+    ThreadPool pool(threads, std::chrono::microseconds(spin));  // spin 0: threads sleep at once
     EXPECT_EQ(pool.size(), threads);
     for (size_t n : {size_t{0}, size_t{1}, size_t{15}, size_t{16}, size_t{17}, size_t{1000}, size_t{100003}}) {
       for (size_t grain : {size_t{1}, size_t{16}, size_t{50}, size_t{1 << 20}}) {
@@ -727,7 +733,7 @@ TEST(ThreadPoolTest, UsesThePoolThreadsAndTheCaller) {
 }
 
 TEST(ThreadPoolTest, ConcurrentCallersEachGetTheirOwnWorkDone) {
-  ThreadPool pool(3);
+  ThreadPool pool(3, std::chrono::microseconds(50));
   constexpr int kCallers = 4;
   constexpr int kRounds = 100;
   std::vector<std::thread> callers;

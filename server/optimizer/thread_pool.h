@@ -14,9 +14,10 @@
 // Waking a sleeping thread costs tens of microseconds (far more in a virtual
 // machine), as long as a whole update of a partition of a million
 // parameters; so a pool thread that runs out of work spins for a short while
-// (`spin`, 200 us by default) before it sleeps, as OpenMP runtimes do: the
-// calls of one training step (scans, updates, encodes of several partitions)
-// then find the threads awake.
+// (`spin`, 200 us by default) before it sleeps, as OpenMP runtimes do, and
+// so does a caller waiting for the pool's last chunks: the calls of one
+// training step (scans, updates, encodes of several partitions) then find
+// the threads awake. `spin` 0 sleeps at once.
 //
 // Several threads may call ParallelFor at once: their chunks share the pool
 // (first call first) and each call returns when its own chunks are done.
