@@ -25,6 +25,18 @@ int BenchCoordinatorCommand(int argc, char** argv);
 // tandem bench allreduce | reducescatter | allgather | broadcast | reduce |
 // sendrecv | barrier: the data plane's collectives between processes.
 int BenchCollectiveCommand(const std::string& collective, int argc, char** argv);
+// tandem bench optimizer: the parameter server's optimizer update beside the
+// memory bandwidth and torch.optim.
+int BenchOptimizerCommand(int argc, char** argv);
+// tandem bench ps: parameter-server push and pull goodput beside ucx_perftest.
+int BenchPsCommand(int argc, char** argv);
+// tandem checkpoint save | restore | verify: the parameter servers'
+// checkpoints (verify reads a checkpoint directory offline).
+int CheckpointSaveCommand(int argc, char** argv);
+int CheckpointRestoreCommand(int argc, char** argv);
+int CheckpointVerifyCommand(int argc, char** argv);
+// tandem ps stats: every parameter server's statistics.
+int PsStatsCommand(int argc, char** argv);
 // The text `tandem status` prints.
 std::string FormatStatus(const v1::GetStatusResponse& status);
 

@@ -23,6 +23,11 @@ Commands:
   bench      benchmarks: 'tandem bench coordinator' (rendezvous, heartbeats, failure detection);
              'tandem bench allreduce|reducescatter|allgather|broadcast|reduce|sendrecv|barrier --np N'
              (the data plane's collectives between N processes on this machine)
+             'tandem bench optimizer' (the parameter server's optimizer update vs memory bandwidth and torch)
+             'tandem bench ps' (parameter-server push and pull goodput vs ucx_perftest)
+  checkpoint the parameter servers' checkpoints: 'tandem checkpoint save|restore' (every server of a job's
+             active epoch, a consistent cut at one step); 'tandem checkpoint verify PATH' (offline check)
+  ps         'tandem ps stats': every parameter server's partitions, step, state, lag and last checkpoint
   version    print the version
 
 Run 'tandem COMMAND --help' for a command's flags.
@@ -49,16 +54,39 @@ int main(int argc, char** argv) {
   if (command == "status") return tandem::cli::StatusCommand(argc - 1, argv + 1);
   if (command == "drain") return tandem::cli::DrainCommand(argc - 1, argv + 1);
   if (command == "scale") return tandem::cli::ScaleCommand(argc - 1, argv + 1);
+  if (command == "checkpoint") {
+    if (argc >= 3 && std::strcmp(argv[2], "save") == 0) return tandem::cli::CheckpointSaveCommand(argc - 2, argv + 2);
+    if (argc >= 3 && std::strcmp(argv[2], "restore") == 0) {
+      return tandem::cli::CheckpointRestoreCommand(argc - 2, argv + 2);
+    }
+    if (argc >= 3 && std::strcmp(argv[2], "verify") == 0) {
+      return tandem::cli::CheckpointVerifyCommand(argc - 2, argv + 2);
+    }
+    const bool help = argc >= 3 && (std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0);
+    fmt::print(help ? stdout : stderr,
+               "tandem checkpoint: name a subcommand: save, restore, verify (each takes --help)\n");
+    return help ? 0 : 2;
+  }
+  if (command == "ps") {
+    if (argc >= 3 && std::strcmp(argv[2], "stats") == 0) return tandem::cli::PsStatsCommand(argc - 2, argv + 2);
+    const bool help = argc >= 3 && (std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0);
+    fmt::print(help ? stdout : stderr, "tandem ps: name a subcommand: stats (it takes --help)\n");
+    return help ? 0 : 2;
+  }
   if (command == "bench") {
     if (argc >= 3 && std::strcmp(argv[2], "coordinator") == 0) {
       return tandem::cli::BenchCoordinatorCommand(argc - 2, argv + 2);
     }
+    if (argc >= 3 && std::strcmp(argv[2], "optimizer") == 0) {
+      return tandem::cli::BenchOptimizerCommand(argc - 2, argv + 2);
+    }
+    if (argc >= 3 && std::strcmp(argv[2], "ps") == 0) return tandem::cli::BenchPsCommand(argc - 2, argv + 2);
     for (const char* c : {"allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "barrier"}) {
       if (argc >= 3 && std::strcmp(argv[2], c) == 0) return tandem::cli::BenchCollectiveCommand(c, argc - 2, argv + 2);
     }
     fmt::print(stderr,
-               "tandem bench: name a benchmark: coordinator, allreduce, reducescatter, allgather, broadcast, reduce, "
-               "sendrecv, barrier\n");
+               "tandem bench: name a benchmark: coordinator, optimizer, ps, allreduce, reducescatter, allgather, "
+               "broadcast, reduce, sendrecv, barrier\n");
     return 2;
   }
   fmt::print(stderr, "tandem: unknown command '{}' (run tandem --help to list the commands)\n", command);

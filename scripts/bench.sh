@@ -57,3 +57,13 @@ echo
 echo "bench: Tandem beside the baselines of this run"
 python3 scripts/bench_compare.py "$OUT/baselines/raw-results.txt" "$OUT/allreduce.jsonl" "$OUT/allreduce.md"
 echo "bench: written to $OUT/allreduce.md"
+
+echo
+echo "bench: optimizer (docs/benchmarks.md): AdamW on the parameter server's fp32 buffers, beside the memory bandwidth and torch.optim"
+"$BUILD_DIR/bin/tandem" bench optimizer --optimizer adamw --params 1M,16M,64M --iters 10 --warmup 2 --json | tee "$OUT/optimizer.jsonl"
+echo "bench: optimizer results in $OUT/optimizer.jsonl"
+
+echo
+echo "bench: parameter server (docs/benchmarks.md): push and pull goodput over the real data path, beside ucx_perftest on the same transports"
+"$BUILD_DIR/bin/tandem" bench ps --min-bytes 64KiB --max-bytes 64MiB --factor 4 --iters 20 --warmup 5 --rounds 3 --json | tee "$OUT/ps.jsonl"
+echo "bench: parameter-server results in $OUT/ps.jsonl"

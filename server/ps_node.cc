@@ -508,11 +508,13 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
-  group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler));
+  group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
+                                                             std::chrono::milliseconds(50), /*start=*/false);
   {
     std::lock_guard lock(mu_);
     group_ = group;
   }
+  group->channel->Start();
   store_->LinksReady(epoch.epoch());
   spdlog::info("epoch {}: parameter-server group of {} members ready in {:.0f} ms", epoch.epoch(),
                group->group.members.size(),

@@ -37,7 +37,7 @@ const char* FrameTypeName(FrameType type) {
 namespace tandem::transport {
 
 FrameChannel::FrameChannel(Transport* transport, std::vector<int> peers, Handler handler,
-                           std::chrono::milliseconds poll)
+                           std::chrono::milliseconds poll, bool start)
     : transport_(transport), handler_(std::move(handler)), poll_(poll) {
   std::sort(peers.begin(), peers.end());
   peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
@@ -46,6 +46,13 @@ FrameChannel::FrameChannel(Transport* transport, std::vector<int> peers, Handler
     peer->rank = rank;
     peers_.push_back(std::move(peer));
   }
+  if (start) Start();
+}
+
+void FrameChannel::Start() {
+  std::lock_guard stop_lock(stop_mu_);
+  if (started_ || stopped_) return;
+  started_ = true;
   for (auto& peer : peers_) {
     Peer* p = peer.get();
     p->receiver = std::thread([this, p] { ReceiveLoop(p); });
@@ -142,11 +149,11 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
       return;
     }
     void* payload = nullptr;
-    owned.clear();
     if (header.payload_bytes > 0) {
       if (handler_.payload_buffer) payload = handler_.payload_buffer(peer->rank, header);
       if (payload == nullptr) {
-        owned.resize(header.payload_bytes);
+        // Reused while the sizes repeat (no zero-filling per frame).
+        if (owned.size() != header.payload_bytes) owned.resize(header.payload_bytes);
         payload = owned.data();
       }
       auto data = transport_->Recv(peer->rank, ps::kPayloadTag, payload, header.payload_bytes);

@@ -69,9 +69,11 @@ class FrameChannel {
 
   // Serves frames from and to `peers` (ranks of `transport`, not its own).
   // `transport` must outlive the channel. `poll` bounds how long a thread
-  // waits before it checks for Stop.
+  // waits before it checks for Stop. With `start` false the threads start
+  // only at Start(), so that the owner can publish the channel (which its
+  // handler uses to reply) before the first frame arrives.
   FrameChannel(Transport* transport, std::vector<int> peers, Handler handler,
-               std::chrono::milliseconds poll = std::chrono::milliseconds(50));
+               std::chrono::milliseconds poll = std::chrono::milliseconds(50), bool start = true);
   ~FrameChannel();
   FrameChannel(const FrameChannel&) = delete;
   FrameChannel& operator=(const FrameChannel&) = delete;
@@ -87,6 +89,9 @@ class FrameChannel {
 
   // Whether `peer` failed (and why).
   Status PeerStatus(int peer) const;
+
+  // Starts the threads (once; a channel built with start true has started).
+  void Start();
 
   // Cancels receives and queued sends (with CANCELLED) and joins the threads.
   // Idempotent; the handler is not called after it returns.
@@ -124,6 +129,7 @@ class FrameChannel {
   std::atomic<bool> stopping_{false};
   std::vector<std::unique_ptr<Peer>> peers_;
   std::mutex stop_mu_;
+  bool started_ = false;
   bool stopped_ = false;
 };
 

@@ -157,14 +157,17 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
-  group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), servers, std::move(handler));
-  std::lock_guard lock(mu_);
-  // The epoch is adopted once its group is ready, so a caller that saw it
-  // change can use it at once.
-  if (epoch.epoch() > epoch_.epoch()) {
+  group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), servers, std::move(handler),
+                                                             std::chrono::milliseconds(50), /*start=*/false);
+  {
+    std::lock_guard lock(mu_);
+    // The epoch is adopted once its group is ready, so a caller that saw it
+    // change can use it at once.
+    if (epoch.epoch() <= epoch_.epoch()) return Status::Ok();
     epoch_ = epoch;
-    group_ = std::move(group);
+    group_ = group;
   }
+  group->channel->Start();
   return Status::Ok();
 }
 
