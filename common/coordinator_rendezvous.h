@@ -32,8 +32,8 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "tandem/v1/coordinator.grpc.pb.h"
 #include "common/rendezvous.h"
+#include "tandem/v1/coordinator.grpc.pb.h"
 
 namespace tandem::comm {
 

@@ -1307,16 +1307,15 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
     if (sync) {
       if (h.step > part->state.step + 1) {
         // It could only be reached after a step this puller has not pushed.
-        const Status future = FailedPrecondition(
-            "step {} is from the future: partition {} has completed step {}, the next is {}", h.step, h.partition,
-            part->state.step, part->state.step + 1);
+        const Status future =
+            FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}", h.step,
+                               h.partition, part->state.step, part->state.step + 1);
         std::vector<char> body;
-        ps::Frame r = ErrorReply(h, ps::FrameType::kPullReply,
-                                 future.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)),
-                                 &body);
-        actions.push_back([rep = std::move(pull.reply), r, body = std::move(body)]() mutable {
-          rep(r, std::move(body));
-        });
+        ps::Frame r =
+            ErrorReply(h, ps::FrameType::kPullReply,
+                       future.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)), &body);
+        actions.push_back(
+            [rep = std::move(pull.reply), r, body = std::move(body)]() mutable { rep(r, std::move(body)); });
         refused = true;
       }
       pull.target = h.step;

@@ -10,8 +10,8 @@
 
 #include <gtest/gtest.h>
 
-#include "reference.h"
 #include "common/transport/local_transport.h"
+#include "reference.h"
 
 namespace tandem::collectives {
 namespace {

@@ -16,13 +16,13 @@
 #include <utility>
 #include <vector>
 
+#include "common/rendezvous.h"
 #include "common/status.h"
+#include "common/transport/local_transport.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/factory.h"
-#include "common/rendezvous.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
-#include "common/transport/local_transport.h"
 
 namespace tandem::comm_test {
 

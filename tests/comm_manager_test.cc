@@ -23,12 +23,12 @@
 #include <prometheus/registry.h>
 
 #include "common/clock.h"
+#include "common/coordinator_rendezvous.h"
 #include "common/member_session.h"
 #include "coordinator/assignment.h"
 #include "coordinator/coordinator_core.h"
 #include "coordinator/coordinator_service.h"
 #include "coordinator/store.h"
-#include "common/coordinator_rendezvous.h"
 
 namespace tandem::comm {
 namespace {

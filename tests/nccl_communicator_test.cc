@@ -21,9 +21,9 @@
 
 #include <gtest/gtest.h>
 
+#include "common/rendezvous.h"
 #include "tandem/config.h"
 #include "worker/collectives/dtype.h"
-#include "common/rendezvous.h"
 #include "worker/nccl/gpu_info.h"
 
 #if TANDEM_CUDA_ENABLED

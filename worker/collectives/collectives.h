@@ -60,8 +60,8 @@
 #include <vector>
 
 #include "common/status.h"
-#include "worker/collectives/dtype.h"
 #include "common/transport/transport.h"
+#include "worker/collectives/dtype.h"
 
 namespace tandem::collectives {
 

@@ -48,11 +48,11 @@
 #include <string>
 #include <vector>
 
+#include "common/rendezvous.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "tandem/v1/types.pb.h"
 #include "worker/comm/communicator.h"
-#include "common/rendezvous.h"
 
 namespace tandem::comm {
 

@@ -14,11 +14,11 @@
 #include <string>
 #include <vector>
 
-#include "worker/comm/communicator.h"
 #include "common/rendezvous.h"
+#include "common/transport/ucx_transport.h"
+#include "worker/comm/communicator.h"
 #include "worker/comm/shm_communicator.h"
 #include "worker/comm/transport_communicator.h"
-#include "common/transport/ucx_transport.h"
 
 namespace tandem::comm {
 

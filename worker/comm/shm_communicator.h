@@ -54,8 +54,8 @@
 #include <string>
 #include <vector>
 
-#include "worker/comm/communicator.h"
 #include "common/rendezvous.h"
+#include "worker/comm/communicator.h"
 
 namespace tandem::comm {
 

@@ -72,9 +72,9 @@
 #include <string>
 #include <vector>
 
+#include "common/transport/transport.h"
 #include "worker/collectives/collectives.h"
 #include "worker/comm/communicator.h"
-#include "common/transport/transport.h"
 
 namespace tandem::comm {
 

@@ -64,11 +64,11 @@
 #include <string>
 #include <string_view>
 
+#include "common/rendezvous.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "tandem/config.h"
 #include "worker/comm/communicator.h"
-#include "common/rendezvous.h"
 
 #if TANDEM_CUDA_ENABLED
 #include <cuda_runtime_api.h>
