@@ -554,6 +554,36 @@ TEST_F(PsCoreTest, ServerDiesAfterTheDecisionStepCompletesOnce) {
   ExpectReplicasEqual();
 }
 
+TEST_F(PsCoreTest, AServerThatJoinsLaterGetsTheJobAndTheStateOfItsBackups) {
+  Job job;
+  Start(3, job);
+  for (uint64_t s = 1; s <= 3; ++s) RunStep(s, 2);
+  // Server 104 was never initialised; the new map makes it the backup of
+  // every third partition.
+  const uint64_t joined = kFirstServer + 3;
+  cluster_.Add(joined);
+  map_.set_version(map_.version() + 1);
+  for (auto& p : *map_.mutable_partitions()) {
+    if (p.id() % 3 == 0) p.set_backup_member_id(joined);
+  }
+  SetEpoch(2);
+  EXPECT_TRUE(cluster_[joined].configured());
+  auto stats = cluster_[joined].Stats({});
+  ASSERT_GT(stats.partitions_size(), 0);
+  for (const auto& p : stats.partitions()) {
+    EXPECT_EQ(p.role(), v1::REPLICA_ROLE_BACKUP);
+    EXPECT_EQ(p.step(), 3u);     // the transferred state
+    EXPECT_EQ(p.version(), 4u);  // three updates
+  }
+  std::vector<float> params;
+  for (uint64_t s = 4; s <= 6; ++s) params = RunStep(s, 2);
+  ExpectReplicasEqual();
+  const auto reference = ReferenceRun(job, 6, 2);
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  // Its state came by transfer: it was never initialised.
+  EXPECT_GT(cluster_[joined].counters().transfers_received.load(), 0u);
+}
+
 TEST_F(PsCoreTest, AsyncAppliesEachPushAndIgnoresDuplicates) {
   Job job;
   job.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
