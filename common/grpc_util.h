@@ -93,4 +93,8 @@ class GrpcServer {
   bool shut_down_ = false;
 };
 
+// Compares secrets (join tokens) in time that does not depend on where they
+// differ.
+bool ConstantTimeEquals(const std::string& a, const std::string& b);
+
 }  // namespace tandem

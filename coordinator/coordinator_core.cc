@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/config.h"
+#include "common/grpc_util.h"
 #include "coordinator/assignment.h"
 
 namespace tandem::coordinator {
@@ -57,18 +58,6 @@ std::string StateName(v1::MemberState s) {
 
 std::string RoleName(v1::Role r) {
   return r == v1::ROLE_SERVER ? "server" : "worker";
-}
-
-// Compares secrets in time independent of where they differ.
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  const size_t n = std::max(a.size(), b.size());
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= static_cast<unsigned char>(x ^ y);
-  }
-  return diff == 0;
 }
 
 Status ValidateJobId(const std::string& job_id) {

@@ -8,23 +8,13 @@
 #include <spdlog/spdlog.h>
 
 #include "common/coordinator_rendezvous.h"
+#include "common/grpc_util.h"
 #include "server/checkpoint/checkpoint.h"
 
 namespace tandem::server {
 namespace {
 
 using google::protobuf::util::TimeUtil;
-
-bool ConstantTimeEquals(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  const size_t n = std::max(a.size(), b.size());
-  for (size_t i = 0; i < n; ++i) {
-    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
-    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
-    diff |= static_cast<unsigned char>(x ^ y);
-  }
-  return diff == 0;
-}
 
 std::chrono::milliseconds Remaining(grpc::ServerContext* context, std::chrono::milliseconds fallback) {
   const auto deadline = context->deadline();

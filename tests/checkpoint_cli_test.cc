@@ -15,9 +15,8 @@
 
 #include <gtest/gtest.h>
 
-#include "common/coordinator_rendezvous.h"
-#include "common/member_session.h"
 #include "launch_util.h"
+#include "ps_test_util.h"
 #include "worker/ps/ps_client.h"
 
 namespace tandem {
@@ -28,105 +27,12 @@ using std::chrono::milliseconds;
 constexpr const char* kJob = "ckpt-test";
 constexpr uint64_t kParams = 20000;  // 5 partitions of 16 KiB (4096 elements), the last one smaller
 
-google::protobuf::RepeatedPtrField<v1::TensorSpec> Tensors() {
-  google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors;
-  auto* t = tensors.Add();
-  t->set_name("weights");
-  t->add_shape(static_cast<int64_t>(kParams));
-  t->set_dtype(v1::DTYPE_FLOAT32);
-  return tensors;
-}
-
 v1::OptimizerConfig Optimizer() {
   v1::OptimizerConfig o;
   o.mutable_adam()->set_lr(1e-2);
   o.mutable_adam()->set_decoupled_weight_decay(true);
   return o;
 }
-
-// One worker: a member session whose epochs a PsClient adopts.
-class Worker {
- public:
-  explicit Worker(const std::string& coordinator) {
-    worker::PsClientOptions options;
-    options.job_id = kJob;
-    options.timeout = milliseconds(20000);
-    client_ = std::make_unique<worker::PsClient>(options);
-    MemberSessionOptions so;
-    so.job_id = kJob;
-    so.role = v1::ROLE_WORKER;
-    so.node.set_hostname("localhost");
-    so.node.set_node_id("node-w");
-    so.peer_view = v1::PEER_VIEW_FULL;
-    v1::Endpoint ps;
-    ps.set_transport(transport::kPsEndpoint);
-    so.endpoints.push_back(ps);
-    so.on_epoch = [this](const v1::MembershipEpoch& epoch) -> Status {
-      while (session_.load() == nullptr) std::this_thread::sleep_for(milliseconds(1));
-      MemberSession& s = *session_.load();
-      comm::CoordinatorRendezvousOptions rv;
-      rv.job_id = kJob;
-      rv.member_id = s.member_id();
-      rv.session_id = s.session_id();
-      rv.epoch = epoch.epoch();
-      comm::CoordinatorRendezvous rendezvous(s.channel(), rv);
-      return client_->SetEpoch(epoch, s.member_id(), rendezvous);
-    };
-    owned_ = std::make_unique<MemberSession>(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()),
-                                             std::move(so));
-    session_.store(owned_.get());
-  }
-  ~Worker() {
-    client_->Stop();
-    if (owned_) (void)owned_->Leave("test done", milliseconds(1000));
-  }
-
-  worker::PsClient& client() { return *client_; }
-
-  bool WaitForEpoch(milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (client_->epoch() > 0) return true;
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    return false;
-  }
-
-  // Pushes a gradient for every partition of `step` (the only contributor),
-  // then pulls the parameters after it into `params`.
-  Status Step(uint64_t step, std::vector<float>& params) {
-    const v1::ShardMap map = client_->shard_map();
-    std::vector<std::vector<float>> grads;
-    std::vector<std::shared_ptr<worker::PsOp>> ops;
-    std::mt19937 rng(static_cast<uint32_t>(step));
-    std::normal_distribution<float> dist(0.0f, 0.5f);
-    for (const auto& p : map.partitions()) {
-      grads.emplace_back(p.range().end() - p.range().begin());
-      for (auto& x : grads.back()) x = dist(rng);
-      ops.push_back(client_->Push(p.id(), step, 0, 1, v1::WIRE_DTYPE_FP32, grads.back().data(),
-                                  grads.back().size() * sizeof(float)));
-    }
-    for (auto& op : ops) TANDEM_RETURN_IF_ERROR(op->Wait(milliseconds(20000)));
-    return Pull(step, params);
-  }
-
-  // The parameters after `step` (0: now).
-  Status Pull(uint64_t step, std::vector<float>& params) {
-    const v1::ShardMap map = client_->shard_map();
-    std::vector<std::shared_ptr<worker::PsOp>> ops;
-    for (const auto& p : map.partitions()) {
-      ops.push_back(client_->Pull(p.id(), step, v1::WIRE_DTYPE_FP32, params.data() + p.range().begin(),
-                                  (p.range().end() - p.range().begin()) * sizeof(float)));
-    }
-    for (auto& op : ops) TANDEM_RETURN_IF_ERROR(op->Wait(milliseconds(20000)));
-    return Status::Ok();
-  }
-
- private:
-  std::unique_ptr<worker::PsClient> client_;
-  std::atomic<MemberSession*> session_{nullptr};
-  std::unique_ptr<MemberSession> owned_;
-};
 
 testing::CommandResult Tandem(std::vector<std::string> args) {
   args.insert(args.begin(), testing::BinDir() + "/tandem");
@@ -182,12 +88,13 @@ TEST(CheckpointCliTest, SaveVerifyStatsAndRestoreAgainstRunningServers) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers.push_back(std::move(*s));
   }
-  auto worker = std::make_unique<Worker>(address);
-  ASSERT_TRUE(worker->WaitForEpoch(milliseconds(30000))) << testing::ReadFile(servers[0].log_file);
+  auto worker = std::make_unique<testing::PsWorker>(address, kJob, 0, 1);
+  ASSERT_TRUE(worker->WaitEpochAfter(0, milliseconds(30000))) << testing::ReadFile(servers[0].log_file);
   ASSERT_EQ(worker->client().shard_map().partitions_size(), 5);
   std::vector<float> params(kParams);
   for (size_t i = 0; i < params.size(); ++i) params[i] = static_cast<float>(i % 97) * 0.01f;
-  auto initialized = worker->client().Initialize(Tensors(), Optimizer(), v1::ConsistencyConfig(), params.data());
+  auto initialized =
+      worker->client().Initialize(testing::FlatTensors(kParams), Optimizer(), v1::ConsistencyConfig(), params.data());
   ASSERT_TRUE(initialized.ok()) << initialized.status().ToString();
   for (uint64_t step = 1; step <= 2; ++step) ASSERT_TRUE(worker->Step(step, params).ok());
   const std::vector<float> at_step2 = params;

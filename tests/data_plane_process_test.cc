@@ -4,38 +4,19 @@
 // survivors abort the old communicators and build new ones.
 #include <signal.h>
 
-#include <regex>
 #include <thread>
 
 #include <gtest/gtest.h>
 
 #include "common/grpc_util.h"
-#include "common/health.h"
 #include "launch_util.h"
+#include "ps_test_util.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
 namespace tandem {
 namespace {
 
 using std::chrono::milliseconds;
-
-// The value of an unlabelled metric in a worker's /metrics, or -1.
-double Metric(const cli::LaunchedDaemon& daemon, const std::string& name) {
-  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
-  if (!body.ok()) return -1;
-  std::smatch m;
-  if (std::regex_search(*body, m, std::regex("\n" + name + " ([0-9.e+-]+)"))) return std::stod(m[1].str());
-  return -1;
-}
-
-bool WaitUntil(const std::function<bool()>& pred, milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(milliseconds(20));
-  }
-  return pred();
-}
 
 TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
   testing::TempDir dir;
@@ -53,9 +34,10 @@ TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
   }
   // Epoch 1: every worker built and checked world, node, dp, tp and pp.
   for (auto& w : workers) {
-    EXPECT_TRUE(WaitUntil([&] { return Metric(w, "tandem_worker_data_plane_epoch") == 1; }, milliseconds(20000)))
+    EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(w, "tandem_worker_data_plane_epoch") == 1; },
+                                   milliseconds(20000)))
         << testing::ReadFile(w.log_file);
-    EXPECT_EQ(Metric(w, "tandem_worker_communicators"), 5);
+    EXPECT_EQ(testing::Metric(w, "tandem_worker_communicators"), 5);
     const std::string log = testing::ReadFile(w.log_file);
     EXPECT_NE(log.find("epoch 1: data plane ready"), std::string::npos) << log;
     EXPECT_NE(log.find("self-check passed: world (shm"), std::string::npos) << log;
@@ -66,7 +48,8 @@ TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
   ASSERT_TRUE(workers[2].process->Signal(SIGKILL).ok());
   for (int i = 0; i < 2; ++i) {
     auto& w = workers[static_cast<size_t>(i)];
-    EXPECT_TRUE(WaitUntil([&] { return Metric(w, "tandem_worker_data_plane_epoch") == 2; }, milliseconds(20000)))
+    EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(w, "tandem_worker_data_plane_epoch") == 2; },
+                                   milliseconds(20000)))
         << testing::ReadFile(w.log_file);
     const std::string log = testing::ReadFile(w.log_file);
     EXPECT_NE(log.find("epoch 2: data plane ready"), std::string::npos) << log;
@@ -96,7 +79,8 @@ TEST(DataPlaneProcessTest, GroupsAcrossNodesUseUcx) {
     workers.push_back(std::move(*w));
   }
   for (auto& w : workers) {
-    EXPECT_TRUE(WaitUntil([&] { return Metric(w, "tandem_worker_data_plane_epoch") == 1; }, milliseconds(20000)))
+    EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(w, "tandem_worker_data_plane_epoch") == 1; },
+                                   milliseconds(20000)))
         << testing::ReadFile(w.log_file);
     const std::string log = testing::ReadFile(w.log_file);
     EXPECT_NE(log.find("world (ucx, rank"), std::string::npos) << log;

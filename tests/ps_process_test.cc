@@ -15,15 +15,12 @@
 #include <filesystem>
 #include <latch>
 #include <random>
-#include <regex>
 #include <thread>
 
 #include <gtest/gtest.h>
 
-#include "common/coordinator_rendezvous.h"
-#include "common/health.h"
-#include "common/member_session.h"
 #include "launch_util.h"
+#include "ps_test_util.h"
 #include "server/ps_core.h"
 #include "worker/ps/ps_client.h"
 
@@ -48,29 +45,12 @@ v1::OptimizerConfig Optimizer() {
   return o;
 }
 
-google::protobuf::RepeatedPtrField<v1::TensorSpec> Tensors() {
-  google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors;
-  auto* t = tensors.Add();
-  t->set_name("weights");
-  t->add_shape(static_cast<int64_t>(kParams));
-  t->set_dtype(v1::DTYPE_FLOAT32);
-  return tensors;
-}
-
 std::vector<float> Initial() {
   std::vector<float> v(kParams);
   std::mt19937 rng(11);
   std::normal_distribution<float> dist(0.0f, 1.0f);
   for (auto& x : v) x = dist(rng);
   return v;
-}
-
-std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uint64_t end) {
-  std::vector<float> g(end - begin);
-  std::mt19937 rng(static_cast<uint32_t>(step * 7919 + contributor * 104729 + begin));
-  std::normal_distribution<float> dist(0.0f, 0.5f);
-  for (auto& x : g) x = dist(rng);
-  return g;
 }
 
 // The parameters after `steps` steps without any failure: one in-process
@@ -101,7 +81,7 @@ std::vector<float> Reference(uint64_t steps) {
   v1::InitializeParametersRequest init;
   init.set_job_id("ps-test");
   init.set_epoch(1);
-  *init.mutable_tensors() = Tensors();
+  *init.mutable_tensors() = testing::FlatTensors(kParams);
   *init.mutable_optimizer() = Optimizer();
   const auto initial = Initial();
   auto* chunk = init.mutable_values()->add_chunks();
@@ -114,7 +94,7 @@ std::vector<float> Reference(uint64_t steps) {
     for (uint32_t p = 0; p < parts; ++p) {
       const auto& r = map.partitions(static_cast<int>(p)).range();
       for (uint32_t c = 0; c < kWorkers; ++c) {
-        auto g = Grad(s, c, r.begin(), r.end());
+        auto g = testing::Gradient(s, c, r.begin(), r.end());
         ps::Frame h;
         h.type = ps::FrameType::kPush;
         h.epoch = 1;
@@ -143,132 +123,6 @@ std::vector<float> Reference(uint64_t steps) {
   }
   return params;
 }
-
-// The value of an unlabelled metric on a daemon's /metrics page, or -1.
-double Metric(const cli::LaunchedDaemon& daemon, const std::string& name) {
-  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
-  if (!body.ok()) return -1;
-  std::smatch m;
-  if (std::regex_search(*body, m, std::regex("\n" + name + " ([0-9.e+-]+)"))) return std::stod(m[1].str());
-  return -1;
-}
-
-bool WaitUntil(const std::function<bool()>& pred, milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(milliseconds(50));
-  }
-  return pred();
-}
-
-// A worker: a member session and a parameter-server client.
-class Worker {
- public:
-  Worker(const std::string& coordinator, uint32_t index) : index_(index) {
-    worker::PsClientOptions options;
-    options.job_id = "ps-test";
-    options.timeout = milliseconds(20000);
-    client_ = std::make_unique<worker::PsClient>(options);
-    MemberSessionOptions so;
-    so.job_id = "ps-test";
-    so.role = v1::ROLE_WORKER;
-    so.node.set_hostname("localhost");
-    so.node.set_node_id("node-a");
-    so.peer_view = v1::PEER_VIEW_FULL;
-    v1::Endpoint ps;
-    ps.set_transport(transport::kPsEndpoint);
-    so.endpoints.push_back(ps);
-    so.on_epoch = [this](const v1::MembershipEpoch& epoch) -> Status {
-      while (session_.load() == nullptr) std::this_thread::sleep_for(milliseconds(1));
-      MemberSession& s = *session_.load();
-      comm::CoordinatorRendezvousOptions rv;
-      rv.job_id = "ps-test";
-      rv.member_id = s.member_id();
-      rv.session_id = s.session_id();
-      rv.epoch = epoch.epoch();
-      comm::CoordinatorRendezvous rendezvous(s.channel(), rv);
-      Status st = client_->SetEpoch(epoch, s.member_id(), rendezvous);
-      epochs_.fetch_add(1);
-      return st;
-    };
-    owned_ = std::make_unique<MemberSession>(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()),
-                                             std::move(so));
-    session_.store(owned_.get());
-  }
-  ~Worker() {
-    client_->Stop();
-    if (owned_) (void)owned_->Leave("test done", milliseconds(1000));
-  }
-
-  worker::PsClient& client() { return *client_; }
-  int epochs() const { return epochs_.load(); }
-
-  // Waits until the client works in an epoch newer than `epoch`.
-  bool WaitEpochAfter(uint64_t epoch, milliseconds timeout) {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (client_->epoch() > epoch) return true;
-      std::this_thread::sleep_for(milliseconds(20));
-    }
-    return false;
-  }
-
-  // Pushes every partition of `step`; then (unless `pushed` is set, when the
-  // caller decides) pulls them. Retries the step in the next epoch when one
-  // fails because of a membership change. Returns an error only for other
-  // failures.
-  Status Step(uint64_t step, std::vector<float>& params, const std::function<void()>& after_push = nullptr) {
-    for (int attempt = 0; attempt < 5; ++attempt) {
-      const uint64_t epoch = client_->epoch();
-      const v1::ShardMap map = client_->shard_map();
-      std::vector<std::vector<float>> grads;
-      std::vector<std::shared_ptr<worker::PsOp>> ops;
-      for (const auto& p : map.partitions()) {
-        grads.push_back(Grad(step, index_, p.range().begin(), p.range().end()));
-        ops.push_back(client_->Push(p.id(), step, index_, kWorkers, v1::WIRE_DTYPE_FP32, grads.back().data(),
-                                    grads.back().size() * sizeof(float)));
-      }
-      Status failed;
-      for (auto& op : ops) {
-        Status s = op->Wait(milliseconds(30000));
-        if (!s.ok() && failed.ok()) failed = s;
-      }
-      if (after_push && attempt == 0) after_push();
-      if (failed.ok()) {
-        ops.clear();
-        for (const auto& p : map.partitions()) {
-          const uint64_t n = p.range().end() - p.range().begin();
-          ops.push_back(
-              client_->Pull(p.id(), step, v1::WIRE_DTYPE_FP32, params.data() + p.range().begin(), n * sizeof(float)));
-        }
-        for (auto& op : ops) {
-          Status s = op->Wait(milliseconds(30000));
-          if (!s.ok() && failed.ok()) failed = s;
-        }
-      }
-      if (failed.ok()) return Status::Ok();
-      if (failed.code() != StatusCode::kAborted && failed.code() != StatusCode::kUnavailable &&
-          failed.code() != StatusCode::kFailedPrecondition) {
-        return failed;
-      }
-      ++retries_;
-      if (!WaitEpochAfter(epoch, milliseconds(30000))) {
-        return DeadlineExceeded("step {}: no new epoch after {}", step, failed.ToString());
-      }
-    }
-    return Aborted("step {}: gave up after 5 attempts", step);
-  }
-  int retries() const { return retries_; }
-
- private:
-  const uint32_t index_;
-  std::unique_ptr<worker::PsClient> client_;
-  std::atomic<MemberSession*> session_{nullptr};
-  std::unique_ptr<MemberSession> owned_;
-  std::atomic<int> epochs_{0};
-  int retries_ = 0;
-};
 
 TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   testing::TempDir dir;
@@ -303,8 +157,9 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers.push_back(std::move(*s));
   }
-  std::vector<std::unique_ptr<Worker>> workers;
-  for (uint32_t w = 0; w < kWorkers; ++w) workers.push_back(std::make_unique<Worker>(address, w));
+  std::vector<std::unique_ptr<testing::PsWorker>> workers;
+  for (uint32_t w = 0; w < kWorkers; ++w)
+    workers.push_back(std::make_unique<testing::PsWorker>(address, "ps-test", w, kWorkers));
   for (auto& w : workers) {
     ASSERT_TRUE(w->WaitEpochAfter(0, milliseconds(30000))) << testing::ReadFile(servers[0].log_file);
   }
@@ -313,7 +168,8 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   const auto initial = Initial();
   int initialized = 0;
   for (auto& w : workers) {
-    auto n = w->client().Initialize(Tensors(), Optimizer(), v1::ConsistencyConfig(), initial.data());
+    auto n =
+        w->client().Initialize(testing::FlatTensors(kParams), Optimizer(), v1::ConsistencyConfig(), initial.data());
     ASSERT_TRUE(n.ok()) << n.status().ToString();
     initialized += *n;
   }
@@ -422,7 +278,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     EXPECT_EQ(info.step(), kSaveStep);
     EXPECT_NE(info.state(), v1::CHECKPOINT_STATE_FAILED) << info.error();
   }
-  EXPECT_TRUE(WaitUntil(
+  EXPECT_TRUE(testing::WaitUntil(
       [&] {
         auto st = workers[0]->client().Stats();
         if (!st.ok()) return false;
@@ -501,28 +357,28 @@ TEST(PsProcessTest, WorkerDaemonsJoinTheServersGroupEveryEpoch) {
     workers.push_back(std::move(*w));
   }
   for (auto& s : servers) {
-    EXPECT_TRUE(WaitUntil([&] { return Metric(s, "tandem_server_epoch") >= 1; }, milliseconds(30000)))
+    EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(s, "tandem_server_epoch") >= 1; }, milliseconds(30000)))
         << testing::ReadFile(s.log_file);
     const std::string log = testing::ReadFile(s.log_file);
     // Two servers and the two workers with a data plane.
     EXPECT_NE(log.find("parameter-server group of 4 members ready"), std::string::npos) << log;
   }
-  EXPECT_TRUE(WaitUntil(
+  EXPECT_TRUE(testing::WaitUntil(
       [&] {
-        return Metric(servers[0], "tandem_server_primary_partitions") +
-                   Metric(servers[1], "tandem_server_primary_partitions") ==
+        return testing::Metric(servers[0], "tandem_server_primary_partitions") +
+                   testing::Metric(servers[1], "tandem_server_primary_partitions") ==
                7;
       },
       milliseconds(5000)));
-  EXPECT_EQ(Metric(servers[0], "tandem_server_backup_partitions"),
-            Metric(servers[1], "tandem_server_primary_partitions"));
+  EXPECT_EQ(testing::Metric(servers[0], "tandem_server_backup_partitions"),
+            testing::Metric(servers[1], "tandem_server_primary_partitions"));
   // SIGKILL one server: the survivor holds every partition as primary.
   ASSERT_TRUE(servers[1].process->Signal(SIGKILL).ok());
-  EXPECT_TRUE(
-      WaitUntil([&] { return Metric(servers[0], "tandem_server_primary_partitions") == 7; }, milliseconds(30000)))
+  EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(servers[0], "tandem_server_primary_partitions") == 7; },
+                                 milliseconds(30000)))
       << testing::ReadFile(servers[0].log_file);
-  EXPECT_EQ(Metric(servers[0], "tandem_server_backup_partitions"), 0);
-  EXPECT_TRUE(WaitUntil(
+  EXPECT_EQ(testing::Metric(servers[0], "tandem_server_backup_partitions"), 0);
+  EXPECT_TRUE(testing::WaitUntil(
       [&] {
         const std::string log = testing::ReadFile(servers[0].log_file);
         return log.find("parameter-server group of 3 members ready") != std::string::npos;
