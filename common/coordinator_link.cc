@@ -80,12 +80,20 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
   CoordinatorLink* self = link.get();  // owns the session, so outlives its callbacks
   options.on_epoch = [&epoch_gauge, self, on_epoch = hooks.on_epoch](const v1::MembershipEpoch& epoch) {
     epoch_gauge.Set(static_cast<double>(epoch.epoch()));
-    return on_epoch ? on_epoch(epoch, *self->session_) : Status::Ok();
+    if (!on_epoch) return Status::Ok();
+    // The session's thread may get an epoch before the constructor below has
+    // returned and the session is published.
+    MemberSession* session = nullptr;
+    while ((session = self->published_.load(std::memory_order_acquire)) == nullptr) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return on_epoch(epoch, *session);
   };
   options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };
   // Not reachable until the first registration succeeds.
   options.on_connection(false, "not registered yet");
   link->session_ = std::make_unique<MemberSession>(std::move(channel), std::move(options));
+  link->published_.store(link->session_.get(), std::memory_order_release);
   return link;
 }
 

@@ -9,6 +9,7 @@
 // session's threads.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -62,6 +63,8 @@ class CoordinatorLink {
  private:
   CoordinatorLink() = default;
   std::unique_ptr<MemberSession> session_;
+  // session_ once constructed, for the session's own callbacks.
+  std::atomic<MemberSession*> published_{nullptr};
 };
 
 }  // namespace tandem

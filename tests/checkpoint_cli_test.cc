@@ -88,6 +88,9 @@ TEST(CheckpointCliTest, SaveVerifyStatsAndRestoreAgainstRunningServers) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers.push_back(std::move(*s));
   }
+  for (auto& s : servers) {
+    ASSERT_TRUE(testing::WaitRegistered(s, milliseconds(20000))) << testing::ReadFile(s.log_file);
+  }
   auto worker = std::make_unique<testing::PsWorker>(address, kJob, 0, 1);
   ASSERT_TRUE(worker->WaitEpochAfter(0, milliseconds(30000))) << testing::ReadFile(servers[0].log_file);
   ASSERT_EQ(worker->client().shard_map().partitions_size(), 5);

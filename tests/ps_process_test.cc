@@ -157,6 +157,9 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers.push_back(std::move(*s));
   }
+  for (auto& s : servers) {
+    ASSERT_TRUE(testing::WaitRegistered(s, milliseconds(20000))) << testing::ReadFile(s.log_file);
+  }
   std::vector<std::unique_ptr<testing::PsWorker>> workers;
   for (uint32_t w = 0; w < kWorkers; ++w)
     workers.push_back(std::make_unique<testing::PsWorker>(address, "ps-test", w, kWorkers));
@@ -348,6 +351,9 @@ TEST(PsProcessTest, WorkerDaemonsJoinTheServersGroupEveryEpoch) {
                                   {"--coordinator-address", address, "--node-id", "s" + std::to_string(i)});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
     servers.push_back(std::move(*s));
+  }
+  for (auto& s : servers) {
+    ASSERT_TRUE(testing::WaitRegistered(s, milliseconds(20000))) << testing::ReadFile(s.log_file);
   }
   std::vector<cli::LaunchedDaemon> workers;
   for (int i = 0; i < 2; ++i) {

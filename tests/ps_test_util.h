@@ -18,6 +18,7 @@
 #include "common/coordinator_rendezvous.h"
 #include "common/health.h"
 #include "common/member_session.h"
+#include "test_util.h"
 #include "worker/ps/ps_client.h"
 
 namespace tandem::testing {
@@ -39,6 +40,13 @@ inline bool WaitUntil(const std::function<bool()>& pred, std::chrono::millisecon
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   return pred();
+}
+
+// Waits until a member daemon has registered with its coordinator (so that
+// it is part of the rendezvous that workers started afterwards close).
+inline bool WaitRegistered(const cli::LaunchedDaemon& daemon, std::chrono::milliseconds timeout) {
+  return WaitUntil(
+      [&] { return ReadFile(daemon.log_file).find("registered with the coordinator") != std::string::npos; }, timeout);
 }
 
 // A deterministic gradient of elements [begin, end) for (step, contributor).
