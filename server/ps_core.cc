@@ -1163,8 +1163,9 @@ void ParameterStore::ReplicateLocked(Part& part, ps::Frame header, std::shared_p
   const uint64_t epoch = header.epoch;
   const uint64_t backup = part.backup;
   actions.push_back([this, backup, header, grad = std::move(grad), id, step, epoch] {
-    links_->SendToBackup(backup, header, grad,
-                         [this, id, step, epoch](const Status& status) { OnReplicated(id, step, epoch, status); });
+    links_->SendToBackup(backup, header, grad, [this, id, step, epoch](const Status& status) {
+      OnReplicated(id, step, epoch, status, false);
+    });
   });
 }
 
@@ -1205,14 +1206,17 @@ void ParameterStore::SendTransferLocked(Part& part, Actions& actions) {
     }
     links_->SendJob(backup, std::move(job));
     header.epoch = epoch;
-    links_->SendToBackup(backup, header, std::move(blob),
-                         [this, id, step, epoch](const Status& status) { OnReplicated(id, step, epoch, status); });
+    links_->SendToBackup(backup, header, std::move(blob), [this, id, step, epoch](const Status& status) {
+      OnReplicated(id, step, epoch, status, true);
+    });
   });
 }
 
-void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status) {
+void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status,
+                                  bool transfer) {
   auto part = Find(partition);
   if (!part) return;
+  const bool current = epoch == this->epoch();  // before the partition's lock (lock order)
   Actions actions;
   {
     std::lock_guard plock(part->mu);
@@ -1221,7 +1225,7 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
       counters_.replicas_applied.fetch_add(1);
       part->safe_step = std::max(part->safe_step, step);
       ServePullsLocked(*part, actions);
-    } else if (status.code() == StatusCode::kFailedPrecondition && epoch == this->epoch() &&
+    } else if (!transfer && status.code() == StatusCode::kFailedPrecondition && current &&
                part->role == v1::REPLICA_ROLE_PRIMARY) {
       spdlog::warn("partition {}: the backup refused an update ({}); sending it the whole state", partition,
                    status.message());
@@ -1343,8 +1347,7 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
   std::shared_ptr<Part> part;
   {
     std::lock_guard lock(mu_);
-    if (h.epoch != epoch_)
-      return answer(FailedPrecondition("update from epoch {}, this backup is at {}", h.epoch, epoch_));
+    if (h.epoch != epoch_) return answer(Aborted("update from epoch {}, this backup is at epoch {}", h.epoch, epoch_));
     auto it = parts_.find(h.partition);
     if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
     part = it->second;
@@ -1386,8 +1389,7 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
   int buffers = 0;
   {
     std::lock_guard lock(mu_);
-    if (h.epoch != epoch_)
-      return answer(FailedPrecondition("state from epoch {}, this backup is at {}", h.epoch, epoch_));
+    if (h.epoch != epoch_) return answer(Aborted("state from epoch {}, this backup is at epoch {}", h.epoch, epoch_));
     if (!configured_) return answer(FailedPrecondition("the job is not configured on this backup yet"));
     buffers = optimizer_->state_buffers();
     auto it = parts_.find(h.partition);

@@ -279,7 +279,9 @@ class ParameterStore {
   void ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad, Actions& actions)
       TANDEM_REQUIRES(part.mu);
   void SendTransferLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
-  void OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status);
+  // `transfer`: the message was a whole-state transfer (a refused update is
+  // answered with one; a refused transfer only waits for the next epoch).
+  void OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status, bool transfer);
   // Answers the pulls that can be answered.
   void ServePullsLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
   void AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) TANDEM_REQUIRES(part.mu);

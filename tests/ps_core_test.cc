@@ -584,6 +584,31 @@ TEST_F(PsCoreTest, AServerThatJoinsLaterGetsTheJobAndTheStateOfItsBackups) {
   EXPECT_GT(cluster_[joined].counters().transfers_received.load(), 0u);
 }
 
+TEST_F(PsCoreTest, ABackupThatDivergedIsSentTheWholeStateAgain) {
+  Job job;
+  Start(3, job);
+  RunStep(1, 2);
+  RunStep(2, 2);
+  // Partition 0's backup loses its state (as if restored from something
+  // else): the next update does not follow its version.
+  auto [b, e] = Range(0);
+  PartitionState stale;
+  stale.id = 0;
+  stale.begin = b;
+  stale.end = e;
+  stale.version = 1;
+  stale.step = 0;
+  stale.weights.assign(e - b, 0.0f);
+  ASSERT_TRUE(BackupOf(0)->Replace({stale}, false).ok());
+  const uint64_t sent = PrimaryOf(0).counters().transfers_sent.load();
+  std::vector<float> params;
+  for (uint64_t s = 3; s <= 4; ++s) params = RunStep(s, 2);
+  EXPECT_GT(PrimaryOf(0).counters().transfers_sent.load(), sent);
+  ExpectReplicasEqual();
+  const auto reference = ReferenceRun(job, 4, 2);
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
 TEST_F(PsCoreTest, AsyncAppliesEachPushAndIgnoresDuplicates) {
   Job job;
   job.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
