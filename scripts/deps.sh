@@ -17,6 +17,8 @@ PACKAGES=(
   prometheus-cpp-dev libyaml-cpp-dev libspdlog-dev libfmt-dev
   # Boost (Asio, Beast)
   libboost-dev
+  # the reference model's matrix products (CBLAS)
+  libopenblas-dev
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
   # promtool checks the /metrics pages in tests; openssl makes test certificates

@@ -1,0 +1,158 @@
+// The reference model: a small byte-level decoder language model with real
+// forward and backward passes on the CPU (docs/training.md, "The reference
+// model").
+//
+// Architecture (GPT-2 style, pre-LayerNorm):
+//   x = wte[token] + wpe[position]
+//   for each block: x = x + attn.proj(causal_self_attention(attn.qkv(ln1(x))))
+//                   x = x + mlp.proj(gelu_tanh(mlp.fc(ln2(x))))
+//   logits = head(ln_f(x)); loss = mean cross-entropy over every (batch, position)
+//
+// Parameters live in ONE flat fp32 buffer, tensor after tensor in the order
+// of Tensors() (row-major, no padding), so the parameter servers can hold
+// the model as its flattened parameter space. Linear weights are stored
+// [out_features, in_features] (y = x·Wᵀ + b). The gradients live in a second
+// flat buffer with the same layout. Backward(kOverwrite) replaces them,
+// Backward(kAccumulate) adds to them: gradient accumulation over micro-batches
+// needs no communication, and a `scale` (for example 1/micro_batches) turns
+// the sum of micro-batch means into the mean over the whole batch.
+//
+// Activations needed by backward are kept in a workspace allocated at the
+// first Forward for a given batch size and reused while the batch size stays
+// the same. Matrix products go through CBLAS (OpenBLAS in the supported
+// build); SetBlasThreads sets how many threads it uses (1 per worker process
+// by default, through ModelConfig::blas_threads).
+//
+// Initialisation is deterministic from the seed (the same on every machine:
+// mt19937_64 and our own Box-Muller): weights normal(0, 0.02), the residual
+// projections (attn.proj, mlp.proj) scaled by 1/sqrt(2·layers), biases zero,
+// LayerNorm weights one.
+//
+// Thread safety: a Model is a value with no shared state; one thread at a
+// time may use it. SetBlasThreads is process-wide.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "tandem/v1/types.pb.h"
+
+namespace tandem::model {
+
+struct ModelConfig {
+  int vocab = 256;       // byte-level: tokens are bytes, so at most 256
+  int context = 64;      // T: positions per sequence
+  int d_model = 128;     // C: width of the residual stream
+  int heads = 4;         // attention heads; must divide d_model
+  int layers = 4;        // transformer blocks
+  int mlp_ratio = 4;     // hidden width of the MLP is mlp_ratio · d_model
+  uint64_t seed = 1;     // initialisation seed
+  int blas_threads = 1;  // applied by Model::Create; 0 leaves the BLAS setting alone
+
+  // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
+  Status Validate() const;
+};
+
+// One tensor of the flat parameter buffer.
+struct TensorInfo {
+  std::string name;            // "blocks.3.attn.qkv.weight"
+  std::vector<int64_t> shape;  // outermost first
+  size_t offset = 0;           // first element in the flat buffer
+  size_t size = 0;             // elements
+  bool no_decay = false;       // biases, LayerNorm parameters, embeddings
+};
+
+// The tensor table of a configuration, in flat-buffer order (see the .cc file
+// for the order). REQUIRES: config.Validate().ok()
+std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
+
+// Sets the number of threads the BLAS library uses, process-wide. A no-op
+// when the BLAS found at build time has no such setting (not OpenBLAS).
+void SetBlasThreads(int threads);
+
+enum class GradMode {
+  kOverwrite,   // grads = dLoss/dParams · scale
+  kAccumulate,  // grads += dLoss/dParams · scale
+};
+
+class Model {
+ public:
+  // Validates the configuration and initialises the parameters from its seed.
+  static Result<Model> Create(const ModelConfig& config);
+
+  const ModelConfig& config() const { return config_; }
+
+  // The table the parameter servers hold: names, shapes, DTYPE_FLOAT32,
+  // group "no_decay" for biases, LayerNorm parameters and embeddings ("" for
+  // the rest), flat_offset in elements.
+  std::vector<v1::TensorSpec> Tensors() const;
+  const std::vector<TensorInfo>& layout() const { return layout_; }
+  size_t num_parameters() const { return params_.size(); }
+
+  std::span<float> params() { return params_; }
+  std::span<const float> params() const { return params_; }
+  std::span<float> grads() { return grads_; }
+  std::span<const float> grads() const { return grads_; }
+  void ZeroGrads();
+
+  // Runs the model on `batch` sequences of context() tokens (tokens[b·T + t]).
+  // With targets (same layout) it returns the mean cross-entropy and keeps
+  // what Backward needs; without (nullptr) it returns 0 and only the logits
+  // are meaningful. INVALID_ARGUMENT for batch < 1 or a token/target >= vocab.
+  Result<float> Forward(const uint8_t* tokens, const uint8_t* targets, int batch);
+
+  // Gradients of the last Forward's loss, times `scale`, into grads().
+  // FAILED_PRECONDITION unless the last Forward had targets. Backward may run
+  // once per Forward.
+  Status Backward(GradMode mode = GradMode::kOverwrite, float scale = 1.0f);
+
+  // The last Forward's logits, [batch, T, vocab].
+  std::span<const float> logits() const { return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()}; }
+
+ private:
+  explicit Model(const ModelConfig& config);
+  size_t rows_per_seq() const { return static_cast<size_t>(config_.context) * config_.vocab; }
+  void Initialize();
+  void EnsureWorkspace(int batch);
+
+  // Pointers to the parameters (or gradients) of one layout, by role.
+  struct BlockTensors {
+    float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
+  };
+  struct TensorViews {
+    float *wte, *wpe;
+    std::vector<BlockTensors> blocks;
+    float *lnf_w, *lnf_b, *head_w;
+  };
+  TensorViews Bind(float* base) const;
+
+  ModelConfig config_;
+  std::vector<TensorInfo> layout_;
+  std::vector<float> params_;
+  std::vector<float> grads_;
+
+  // Workspace: activations of the last Forward (per layer where it applies,
+  // layer-major) and scratch for Backward. Sized for batch_ sequences.
+  int batch_ = 0;
+  bool have_targets_ = false;
+  std::vector<uint8_t> tokens_, targets_;
+  std::vector<float> encoded_;                    // [N, C] input of block 0
+  std::vector<float> ln1_, ln1_mean_, ln1_rstd_;  // [L, N, C], [L, N]
+  std::vector<float> qkv_;                        // [L, N, 3C]
+  std::vector<float> att_;                        // [L, B, H, T, T] softmax probabilities
+  std::vector<float> atty_;                       // [L, N, C] attention output before proj
+  std::vector<float> res_att_;                    // [L, N, C] residual after attention
+  std::vector<float> ln2_, ln2_mean_, ln2_rstd_;  // [L, N, C], [L, N]
+  std::vector<float> fch_, fch_gelu_;             // [L, N, 4C]
+  std::vector<float> res_mlp_;                    // [L, N, C] residual after the MLP (block output)
+  std::vector<float> lnf_, lnf_mean_, lnf_rstd_;  // [N, C], [N]
+  std::vector<float> logits_, probs_;             // [N, V]
+  std::vector<float> dres_, dln_, datty_, dqkv_;  // backward scratch, [N, C] / [N, 3C]
+  std::vector<float> dfch_, datt_, dlogits_;      // [N, 4C], [T, T], [N, V]
+};
+
+}  // namespace tandem::model
