@@ -182,8 +182,13 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
   }
 
   Status health() const {
-    std::lock_guard lock(mu_);
-    return error_;
+    {
+      std::lock_guard lock(mu_);
+      if (!error_.ok()) return error_;
+    }
+    // Between a failed task and the publication of its error (Run), the
+    // communicator itself already says it is broken.
+    return comm_->health();
   }
 
   // The progress thread.
@@ -200,13 +205,16 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
         error = error_;
       }
       const Status s = error.ok() ? Execute(task) : error;
+      // The task's handles complete before its error is published: an
+      // operation submitted once the error is visible fails at once, and it
+      // must never finish before the handles of the task that failed.
+      CompleteTask(task, s);
       if (!s.ok()) {
         // An error that broke the communicator fails everything after it.
         const Status broken = comm_->health();
         std::lock_guard lock(mu_);
         if (!broken.ok() && error_.ok()) error_ = broken;
       }
-      CompleteTask(task, s);
     }
   }
 
