@@ -199,12 +199,6 @@ float Noise(uint64_t i) {
   return static_cast<float>(static_cast<double>(z >> 40) / static_cast<double>(1ULL << 23) - 1.0);
 }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size();
-  return m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
-}
-
 struct TorchResult {
   bool available = false;
   std::string reason;   // why not, when !available
@@ -391,11 +385,6 @@ Row Measure(const BenchConfig& c, const Optimizer& o, ThreadPool& pool, uint64_t
 int BytesPerParam(const Optimizer& o) {
   // Reads w, g and each state buffer; writes w and each state buffer.
   return 4 * (2 + o.state_buffers()) + 4 * (1 + o.state_buffers());
-}
-
-std::string JsonNumber(std::optional<double> v, int precision) {
-  if (!v || !std::isfinite(*v)) return "null";
-  return fmt::format("{:.{}g}", *v, precision);
 }
 
 }  // namespace

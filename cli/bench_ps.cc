@@ -159,33 +159,6 @@ void PinTo(int cpu) {
   sched_setaffinity(0, sizeof(one), &one);
 }
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t m = v.size();
-  return m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
-}
-
-std::string JsonNumber(std::optional<double> v, int precision) {
-  if (!v || !std::isfinite(*v)) return "null";
-  return fmt::format("{:.{}g}", *v, precision);
-}
-
-std::string JsonString(const std::string& s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<int>(static_cast<unsigned char>(ch)));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
 // The synthetic epoch both processes build for message size `size`.
 v1::MembershipEpoch MakeEpoch(const BenchConfig& c, uint64_t epoch, uint64_t size) {
   v1::MembershipEpoch e;
@@ -798,7 +771,7 @@ void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_
         "\"ucx_perftest_gbps\": {}, \"ucx_perftest_message_gbps\": {}, \"push_ratio\": {}, \"pull_ratio\": {}, "
         "\"ucx_perftest_rounds_gbps\": [{}], \"ucx_perftest_env\": {}, \"ucx_perftest_error\": {}, ",
         JsonNumber(ucx, 5), JsonNumber(ucx_message, 5), JsonNumber(push_ratio, 4), JsonNumber(pull_ratio, 4),
-        rounds_ucx, ucx ? JsonString(baseline_env) : "null", ucx ? "null" : JsonString(row.ucx_error));
+        rounds_ucx, ucx ? JsonQuote(baseline_env) : "null", ucx ? "null" : JsonQuote(row.ucx_error));
     line += fmt::format("\"rounds\": {}, \"iters\": {}, \"bind\": {}, \"wrong\": {}}}", c.rounds, c.iters,
                         c.bind ? "true" : "false", row.wrong);
     fmt::print("{}\n", line);

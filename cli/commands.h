@@ -1,7 +1,10 @@
 // The subcommands of the `tandem` command line tool.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "common/config.h"
 #include "tandem/v1/coordinator.pb.h"
@@ -11,6 +14,14 @@ namespace tandem::cli {
 // Parses a command's flags: prints --help/--version/--check-config output
 // (returns 0) or the error (returns 2); returns -1 when the command should run.
 int ParseOrExit(OptionSet& options, int argc, char** argv);
+
+// Helpers for the commands' --json output and statistics.
+// A JSON string literal of `s` (quotes, backslashes and control characters escaped).
+std::string JsonQuote(std::string_view s);
+// `v` with `precision` significant digits, or null when unset or not finite.
+std::string JsonNumber(std::optional<double> v, int precision);
+// The median of `v` (0 when empty).
+double Median(std::vector<double> v);
 
 // tandem run: start a local cluster on this machine (see run_command.cc).
 int RunCommand(int argc, char** argv);

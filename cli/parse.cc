@@ -1,3 +1,6 @@
+#include <algorithm>
+#include <cmath>
+
 #include <fmt/format.h>
 
 #include "cli/commands.h"
@@ -16,6 +19,33 @@ int ParseOrExit(OptionSet& options, int argc, char** argv) {
     return 0;
   }
   return -1;
+}
+
+std::string JsonQuote(std::string_view s) {
+  std::string out = "\"";
+  for (char ch : s) {
+    if (ch == '"' || ch == '\\') {
+      out += '\\';
+      out += ch;
+    } else if (static_cast<unsigned char>(ch) < 0x20) {
+      out += fmt::format("\\u{:04x}", static_cast<int>(static_cast<unsigned char>(ch)));
+    } else {
+      out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+std::string JsonNumber(std::optional<double> v, int precision) {
+  if (!v || !std::isfinite(*v)) return "null";
+  return fmt::format("{:.{}g}", *v, precision);
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t m = v.size();
+  return m % 2 ? v[m / 2] : 0.5 * (v[m / 2 - 1] + v[m / 2]);
 }
 
 }  // namespace tandem::cli

@@ -103,6 +103,14 @@ void ParameterStore::Run(Actions& actions) {
   actions.clear();
 }
 
+ps::Frame ParameterStore::Refusal(const ps::Frame& request, const Status& status, std::vector<char>* payload) {
+  const bool push = request.type == ps::FrameType::kPush;
+  return ErrorReply(request, push ? ps::FrameType::kPushReply : ps::FrameType::kPullReply,
+                    status.WithContext(fmt::format("{} of partition {} step {}", push ? "push" : "pull",
+                                                   request.partition, request.step)),
+                    payload);
+}
+
 ps::Frame ParameterStore::ErrorReply(const ps::Frame& request, ps::FrameType type, const Status& status,
                                      std::vector<char>* payload) {
   ps::Frame reply = ps::ReplyTo(request, type);
@@ -826,9 +834,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
   auto refuse = [&](const Status& status) {
     counters_.rejected_pushes.fetch_add(1);
     std::vector<char> body;
-    ps::Frame r =
-        ErrorReply(h, ps::FrameType::kPushReply,
-                   status.WithContext(fmt::format("push of partition {} step {}", h.partition, h.step)), &body);
+    ps::Frame r = Refusal(h, status, &body);
     reply(r, std::move(body));
   };
   auto checked = CheckDataFrame(h, /*primary=*/true);
@@ -1285,9 +1291,7 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
   counters_.pulls.fetch_add(1);
   auto refuse = [&](const Status& status) {
     std::vector<char> body;
-    ps::Frame r =
-        ErrorReply(h, ps::FrameType::kPullReply,
-                   status.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)), &body);
+    ps::Frame r = Refusal(h, status, &body);
     reply(r, std::move(body));
   };
   auto checked = CheckDataFrame(h, /*primary=*/true);
@@ -1315,9 +1319,7 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
             FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}", h.step,
                                h.partition, part->state.step, part->state.step + 1);
         std::vector<char> body;
-        ps::Frame r =
-            ErrorReply(h, ps::FrameType::kPullReply,
-                       future.WithContext(fmt::format("pull of partition {} step {}", h.partition, h.step)), &body);
+        ps::Frame r = Refusal(h, future, &body);
         actions.push_back(
             [rep = std::move(pull.reply), r, body = std::move(body)]() mutable { rep(r, std::move(body)); });
         refused = true;

@@ -286,6 +286,9 @@ class ParameterStore {
   void ServePullsLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
   void AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) TANDEM_REQUIRES(part.mu);
   static void Run(Actions& actions);
+  // The error reply to a push or a pull, its message prefixed with which
+  // one ("push of partition 3 step 7: ...").
+  static ps::Frame Refusal(const ps::Frame& request, const Status& status, std::vector<char>* payload);
   static ps::Frame ErrorReply(const ps::Frame& request, ps::FrameType type, const Status& status,
                               std::vector<char>* payload);
 
