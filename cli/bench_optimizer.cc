@@ -1,5 +1,5 @@
 // tandem bench optimizer: the parameter server's optimizer update
-// (server/optimizer/optimizer.h) on fp32 buffers of --params sizes, spread
+// (common/optimizer/optimizer.h) on fp32 buffers of --params sizes, spread
 // over --threads with the server's ThreadPool, beside two baselines measured
 // in the same run: the memory bandwidth of a kernel with the same memory
 // traffic, and torch.optim with foreach=True (bench/torch_optimizer.py).
@@ -40,8 +40,8 @@
 
 #include "cli/commands.h"
 #include "common/config.h"
-#include "server/optimizer/optimizer.h"
-#include "server/optimizer/thread_pool.h"
+#include "common/optimizer/optimizer.h"
+#include "common/optimizer/thread_pool.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
     !defined(__SANITIZE_THREAD__)
@@ -58,8 +58,8 @@ namespace tandem::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using server::Optimizer;
-using server::ThreadPool;
+using optim::Optimizer;
+using optim::ThreadPool;
 
 constexpr size_t kGrain = 16384;  // elements: 64 KiB of each buffer per chunk at least
 
@@ -319,7 +319,7 @@ Row Measure(const BenchConfig& c, const Optimizer& o, ThreadPool& pool, uint64_t
     if (s0.get()) std::memset(s0.get() + begin, 0, (end - begin) * sizeof(float));
     if (s1.get()) std::memset(s1.get() + begin, 0, (end - begin) * sizeof(float));
   });
-  const server::GroupParams group = o.Group("");
+  const optim::GroupParams group = o.Group("");
   uint64_t step = 0;
   auto apply = [&] {
     const uint64_t index = step++;

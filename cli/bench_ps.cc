@@ -74,11 +74,11 @@
 #include "cli/commands.h"
 #include "common/config.h"
 #include "common/logging.h"
+#include "common/optimizer/gradient.h"
 #include "common/process.h"
 #include "common/rendezvous.h"
 #include "common/transport/frame_channel.h"
 #include "common/transport/ps_group.h"
-#include "server/optimizer/gradient.h"
 #include "server/ps_core.h"
 #include "worker/ps/ps_client.h"
 
@@ -538,7 +538,7 @@ class Worker {
     grad_.resize(max);
     pulled_.resize(max);
     std::vector<float> g(ParamsOf(c, c.sizes.back()), kGradient);
-    server::EncodeWire(grad_.data(), g.data(), WireOf(c), g.size());
+    optim::EncodeWire(grad_.data(), g.data(), WireOf(c), g.size());
   }
 
   static worker::PsClientOptions Options(const BenchConfig& c) {
@@ -612,11 +612,11 @@ class Worker {
     if (c_.optimizer == "sgd") {
       // 1 - k 2^-20 is exact in fp32 for k < 2^20.
       const float w = static_cast<float>(1.0 - static_cast<double>(step_) * kLr * kGradient);
-      server::EncodeWire(want.data(), &w, WireOf(c_), 1);
+      optim::EncodeWire(want.data(), &w, WireOf(c_), 1);
     } else {
       std::memcpy(want.data(), got, elem_);
       float first = 0;
-      server::AccumulateWire(&first, got, WireOf(c_), 1, true);
+      optim::AccumulateWire(&first, got, WireOf(c_), 1, true);
       if (!std::isfinite(first) || (step_ > 0 && first == kInitial)) return params_;
     }
     uint64_t wrong = 0;

@@ -1,7 +1,7 @@
 // The state a parameter server keeps for one partition of the flattened
 // parameter space: fp32 master weights, the optimizer's buffers, and where
 // the partition stands. Shared by the server core (server/ps_core.h), the
-// optimizer (server/optimizer/) and checkpoints (server/checkpoint/).
+// optimizer (common/optimizer/) and checkpoints (server/checkpoint/).
 #pragma once
 
 #include <cstdint>

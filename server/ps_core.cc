@@ -7,10 +7,20 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/optimizer/gradient.h"
 #include "server/checkpoint/checkpoint.h"
-#include "server/optimizer/gradient.h"
 
 namespace tandem::server {
+
+using optim::AccumulateWire;
+using optim::EncodeWire;
+using optim::GradScan;
+using optim::GroupParams;
+using optim::Optimizer;
+using optim::ScanGradient;
+using optim::ThreadPool;
+using optim::WireBytes;
+
 namespace {
 
 constexpr uint32_t kMaxContributors = 1u << 16;

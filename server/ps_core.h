@@ -63,11 +63,11 @@
 #include <string>
 #include <vector>
 
+#include "common/optimizer/optimizer.h"
+#include "common/optimizer/thread_pool.h"
 #include "common/ps_protocol.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
-#include "server/optimizer/optimizer.h"
-#include "server/optimizer/thread_pool.h"
 #include "server/partition_state.h"
 #include "tandem/v1/server.pb.h"
 #include "tandem/v1/types.pb.h"
@@ -199,7 +199,7 @@ class ParameterStore {
   struct Segment {
     uint64_t offset = 0;  // within the partition
     uint64_t count = 0;
-    GroupParams group;
+    optim::GroupParams group;
   };
   struct PendingPull {
     uint64_t from = 0;
@@ -294,7 +294,7 @@ class ParameterStore {
 
   const StoreOptions options_;
   ServerLinks* const links_;
-  std::unique_ptr<ThreadPool> pool_;
+  std::unique_ptr<optim::ThreadPool> pool_;
   StoreCounters counters_;
 
   mutable std::mutex mu_;
@@ -305,10 +305,10 @@ class ParameterStore {
   google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors_ TANDEM_GUARDED_BY(mu_);
   std::vector<uint64_t> tensor_offsets_ TANDEM_GUARDED_BY(mu_);
   uint64_t fingerprint_ TANDEM_GUARDED_BY(mu_) = 0;
-  std::optional<Optimizer> optimizer_ TANDEM_GUARDED_BY(mu_);
+  std::optional<optim::Optimizer> optimizer_ TANDEM_GUARDED_BY(mu_);
   // Fixed once configured; read without mu_ by code that holds a partition's
   // lock (the lock order is mu_, then a partition's mu).
-  std::atomic<const Optimizer*> opt_{nullptr};
+  std::atomic<const optim::Optimizer*> opt_{nullptr};
   std::atomic<int> mode_{v1::CONSISTENCY_MODE_SYNC};
   std::atomic<uint32_t> bound_{0};
   v1::OptimizerConfig optimizer_config_ TANDEM_GUARDED_BY(mu_);

@@ -1,11 +1,11 @@
-// The parameter server's optimizer module (server/optimizer/): every
+// The optimizer module (common/optimizer/): every
 // validation error of OptimizerConfig; the learning-rate schedule; SGD, Adam
 // and AdamW over 200 steps against a double-precision reference written
 // here from PyTorch's formulas; group overrides; bit-identical results
 // however an update is split (ranges, thread pools); the thread pool itself;
 // gradient scans; and the wire conversions against references built from
 // the formats' definitions (not from the code under test).
-#include "server/optimizer/optimizer.h"
+#include "common/optimizer/optimizer.h"
 
 #include <algorithm>
 #include <atomic>
@@ -25,10 +25,10 @@
 
 #include <gtest/gtest.h>
 
-#include "server/optimizer/gradient.h"
-#include "server/optimizer/thread_pool.h"
+#include "common/optimizer/gradient.h"
+#include "common/optimizer/thread_pool.h"
 
-namespace tandem::server {
+namespace tandem::optim {
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -1043,4 +1043,4 @@ TEST(WireTest, AccumulateAddsOrOverwritesFromUnalignedData) {
 }
 
 }  // namespace
-}  // namespace tandem::server
+}  // namespace tandem::optim

@@ -1,4 +1,5 @@
-// Gradient checks and wire conversions of the parameter server's data path:
+// Gradient checks and wire conversions of the optimizer's data path (the
+// parameter server's, and a worker's local optimizer in all-reduce mode):
 // the sum of squares and finiteness of a reduced gradient (global norm
 // clipping and the non-finite policy, server.proto OptimizerConfig), and the
 // conversion of push and pull payloads between the wire's element types
@@ -23,7 +24,7 @@
 
 #include "tandem/v1/server.pb.h"
 
-namespace tandem::server {
+namespace tandem::optim {
 
 struct GradScan {
   double sum_squares = 0;  // sum of g[i]^2 in double (inf or nan when !finite)
@@ -51,4 +52,4 @@ void AccumulateWire(float* acc, const void* src, v1::WireDType dtype, size_t n, 
 // dtype is FP32, BF16, FP16 or UNSPECIFIED; dst and src do not overlap.
 void EncodeWire(void* dst, const float* src, v1::WireDType dtype, size_t n);
 
-}  // namespace tandem::server
+}  // namespace tandem::optim

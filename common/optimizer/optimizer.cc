@@ -1,11 +1,11 @@
-#include "server/optimizer/optimizer.h"
+#include "common/optimizer/optimizer.h"
 
 #include <cmath>
 #include <numbers>
 #include <vector>
 
 // The kernels are built with -O3 -ffp-contract=off -fno-math-errno (see
-// server/CMakeLists.txt) and, on x86-64 with GCC, cloned for AVX-512 and AVX2
+// common/CMakeLists.txt) and, on x86-64 with GCC, cloned for AVX-512 and AVX2
 // and chosen at load time, as worker/collectives/kernels.cc does. Without
 // contraction and reassociation every clone computes every element
 // identically. (AVX-512 matters: with sqrt and a division per element the
@@ -18,7 +18,7 @@
 #define TANDEM_KERNEL
 #endif
 
-namespace tandem::server {
+namespace tandem::optim {
 namespace {
 
 constexpr size_t kMaxGroups = 64;
@@ -297,4 +297,4 @@ void Optimizer::Apply(float* w, float* s0, float* s1, const float* g, size_t cou
   return AdamKernel<true, false>(w, s0, s1, g, count, s);
 }
 
-}  // namespace tandem::server
+}  // namespace tandem::optim

@@ -1,6 +1,6 @@
 // A small fixed pool of threads for data-parallel loops: the parameter server
 // spreads an optimizer update (and gradient scans) of a large partition over
-// the cores, and the optimizer benchmark does the same.
+// the cores, and so do a worker's local optimizer and the optimizer benchmark.
 //
 // ParallelFor cuts [0, n) into a few chunks per thread (each at least
 // `grain` elements and a multiple of 16 elements, so chunks of a float
@@ -40,7 +40,7 @@
 
 #include "common/thread_annotations.h"
 
-namespace tandem::server {
+namespace tandem::optim {
 
 class ThreadPool {
  public:
@@ -95,4 +95,4 @@ class ThreadPool {
   std::vector<std::thread> threads_;
 };
 
-}  // namespace tandem::server
+}  // namespace tandem::optim

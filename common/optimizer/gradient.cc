@@ -1,11 +1,11 @@
-#include "server/optimizer/gradient.h"
+#include "common/optimizer/gradient.h"
 
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-// Built with -O3 -ffp-contract=off (server/CMakeLists.txt); on x86-64 with GCC
+// Built with -O3 -ffp-contract=off (common/CMakeLists.txt); on x86-64 with GCC
 // the loops are cloned for AVX-512 and AVX2 and chosen at load time.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
     !defined(__SANITIZE_THREAD__)
@@ -14,7 +14,7 @@
 #define TANDEM_KERNEL
 #endif
 
-namespace tandem::server {
+namespace tandem::optim {
 namespace {
 
 // Four lanes of doubles and floats (GCC/clang vector extensions: one AVX
@@ -209,4 +209,4 @@ void EncodeWire(void* dst, const float* src, v1::WireDType dtype, size_t n) {
   }
 }
 
-}  // namespace tandem::server
+}  // namespace tandem::optim

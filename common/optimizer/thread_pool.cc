@@ -1,4 +1,4 @@
-#include "server/optimizer/thread_pool.h"
+#include "common/optimizer/thread_pool.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,7 +7,7 @@
 #include <immintrin.h>
 #endif
 
-namespace tandem::server {
+namespace tandem::optim {
 namespace {
 
 constexpr size_t kAlign = 16;           // elements: one 64-byte cache line of floats
@@ -124,4 +124,4 @@ void ThreadPool::WorkerLoop() {
   }
 }
 
-}  // namespace tandem::server
+}  // namespace tandem::optim

@@ -1,7 +1,9 @@
-// The parameter server's optimizer: a validated v1::OptimizerConfig (update
-// rule, learning-rate schedule, per-group overrides, clipping and non-finite
-// policy) and the kernel that applies one update to a range of a partition
-// (server/partition_state.h) in place.
+// The optimizer: a validated v1::OptimizerConfig (update rule, learning-rate
+// schedule, per-group overrides, clipping and non-finite policy) and the
+// kernel that applies one update in place to a range of fp32 weights and
+// their state buffers. The parameter server runs it on its partitions
+// (server/partition_state.h); workers in all-reduce mode run it as their
+// local optimizer. It lives in common/ so that both can link it.
 //
 // Semantics are PyTorch's, element for element: torch.optim.SGD (momentum
 // with dampening 0, the first step initialising the buffer to the gradient,
@@ -22,7 +24,7 @@
 //
 // Speed: one pass over the buffers (AdamW reads w, g, m, v and writes w, m,
 // v: 28 bytes per parameter), vectorised, so a call is memory bound; the
-// caller spreads large ranges over a ThreadPool (server/optimizer/thread_pool.h).
+// caller spreads large ranges over a ThreadPool (common/optimizer/thread_pool.h).
 //
 // Thread safety: an Optimizer is immutable after Create; any number of
 // threads may call its const methods at once (on disjoint ranges for Apply).
@@ -37,7 +39,7 @@
 #include "common/status.h"
 #include "tandem/v1/server.pb.h"
 
-namespace tandem::server {
+namespace tandem::optim {
 
 // The hyperparameters that a tensor group may override.
 struct GroupParams {
@@ -106,4 +108,4 @@ class Optimizer {
   std::map<std::string, GroupParams, std::less<>> groups_;
 };
 
-}  // namespace tandem::server
+}  // namespace tandem::optim
