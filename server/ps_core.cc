@@ -233,8 +233,12 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       part.role = role;
       part.primary = p.primary_member_id();
       part.backup = p.backup_member_id();
+      // A new backup needs the whole state; so does the same backup when an
+      // update it was sent in the old epoch is still unacknowledged: the ack
+      // (or the update itself) died with the old epoch's links, and pulls
+      // wait for the backup to cover the primary's step.
       part.needs_transfer = role == v1::REPLICA_ROLE_PRIMARY && part.backup != 0 && part.state.version > 0 &&
-                            (!was_primary || part.backup != old_backup);
+                            (!was_primary || part.backup != old_backup || part.safe_step < part.state.step);
       part.links_ready = false;
       part.agg_epoch = 0;
       part.ready = false;

@@ -508,6 +508,36 @@ TEST_F(PsCoreTest, PullWaitsForTheStepAndForTheBackup) {
   (void)e;
 }
 
+// A membership change (a worker left) while an update is on its way to the
+// backup: the old epoch's links die with it, the update or its ack is lost,
+// and the same primary and backup go on in the new epoch. The primary sends
+// the whole state again, so pulls of the step (which wait for the backup)
+// are answered and the replicas stay equal.
+TEST_F(PsCoreTest, AnUpdateLostWithTheOldEpochIsSentAgainAsTheWholeState) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  cluster_.hold_replicas = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) ASSERT_TRUE(Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e))->status().ok());
+  }
+  EXPECT_GT(PrimaryOf(0).ReplicationLag(), 0u);
+  cluster_.held.clear();  // lost with the old epoch's links
+  cluster_.hold_replicas = false;
+  SetEpoch(2);
+  auto pull = Pull(PrimaryOf(0), 2, 2, 0);
+  EXPECT_TRUE(pull->done);
+  EXPECT_TRUE(pull->status().ok()) << pull->status().ToString();
+  EXPECT_EQ(PrimaryOf(0).ReplicationLag(), 0u);
+  std::vector<float> params;
+  for (uint64_t s = 3; s <= 4; ++s) params = RunStep(s, 2);
+  ExpectReplicasEqual();
+  const auto reference = ReferenceRun(job, 4, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
 TEST_F(PsCoreTest, PrimaryDiesMidStepBackupTakesOverAndResultMatches) {
   Job job;
   Start(3, job);
