@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <ctime>
 
 #include <spdlog/spdlog.h>
@@ -19,11 +20,29 @@ sigset_t ShutdownSignals() {
   return set;
 }
 
+// A signal caught by the handler below (0: none).
+std::atomic<int> g_caught{0};
+static_assert(std::atomic<int>::is_always_lock_free, "the signal handler needs a lock-free atomic");
+
+void OnSignal(int sig) {
+  g_caught.store(sig);
+}
+
 }  // namespace
 
 ShutdownSignal::ShutdownSignal() {
   const sigset_t set = ShutdownSignals();
   pthread_sigmask(SIG_BLOCK, &set, nullptr);
+  // Threads that libraries start while they load, before main() (OpenBLAS's
+  // pool), do not have the signals blocked, and a signal the kernel hands to
+  // one of them would kill the process. A handler catches it there instead,
+  // and the watcher picks it up.
+  struct sigaction action {};
+  action.sa_handler = OnSignal;
+  action.sa_flags = SA_RESTART;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+  sigaction(SIGINT, &action, nullptr);
   // A peer closing a socket must surface as an error, not kill the process.
   signal(SIGPIPE, SIG_IGN);
   watcher_ = std::thread([this] { Watch(); });
@@ -38,7 +57,8 @@ void ShutdownSignal::Watch() {
   const sigset_t set = ShutdownSignals();
   const timespec tick{0, 100 * 1000 * 1000};
   while (!stop_) {
-    const int sig = sigtimedwait(&set, nullptr, &tick);
+    int sig = sigtimedwait(&set, nullptr, &tick);
+    if (sig <= 0) sig = g_caught.exchange(0);
     if (sig <= 0) continue;
     std::lock_guard<std::mutex> lock(mu_);
     if (requested_) {

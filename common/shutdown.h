@@ -2,7 +2,9 @@
 //
 // A ShutdownSignal blocks SIGTERM and SIGINT in the calling thread, so create
 // it first in main(), before any thread starts: every thread created later
-// inherits the mask, and only the watcher thread receives the signals. Wait()
+// inherits the mask, and only the watcher thread receives the signals (a
+// handler catches those the kernel hands to threads that libraries started
+// before main()). Wait()
 // returns on the first signal (or RequestShutdown()); a second signal while
 // shutting down exits at once with status 130, for a person who pressed Ctrl-C
 // twice.
