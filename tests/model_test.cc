@@ -2,13 +2,16 @@
 // buffer exactly; bad configurations are refused with clear errors; the
 // initialisation is deterministic and gives a loss of about ln(256); backward
 // matches central finite differences in every tensor; gradient accumulation
-// over micro-batches equals one batch of both; and a few hundred SGD steps on
-// a small repetitive text drive the loss well down.
+// over micro-batches equals one batch of both; backward reports gradients as
+// they become final, from the end of the flat buffer down; activation
+// checkpointing gives bit-identical losses and gradients in less memory; and
+// a few hundred SGD steps on a small repetitive text drive the loss well down.
 #include "worker/model/model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <set>
@@ -258,6 +261,167 @@ TEST(ModelTest, GradientAccumulationEqualsOneBatch) {
   for (size_t i = 0; i < want.size(); ++i) {
     ASSERT_NEAR(model.grads()[i], want[i], 1e-5f * max_abs) << "element " << i;
   }
+}
+
+// Same bits, not just equal values (-0 vs 0 and NaNs would count).
+bool Bitwise(std::span<const float> a, std::span<const float> b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+TEST(ModelTest, BackwardReportsGradientsAsTheyBecomeFinal) {
+  for (const bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "with activation checkpointing" : "without activation checkpointing");
+    ModelConfig config = Tiny();
+    config.layers = 3;
+    config.activation_checkpointing = checkpointing;
+    auto created = Model::Create(config);
+    ASSERT_TRUE(created.ok());
+    Model& model = *created;
+    Randomize(model, 13);
+    const std::vector<uint8_t> tokens = RandomBytes(size_t{4} * 8, 8), targets = RandomBytes(size_t{4} * 8, 9);
+
+    // Reference: the same two micro-batches without a callback.
+    ASSERT_TRUE(model.Forward(tokens.data(), targets.data(), 2).ok());
+    ASSERT_TRUE(model.Backward(GradMode::kOverwrite, 0.5f).ok());
+    const std::vector<float> want_first(model.grads().begin(), model.grads().end());
+    ASSERT_TRUE(model.Forward(tokens.data() + 16, targets.data() + 16, 2).ok());
+    ASSERT_TRUE(model.Backward(GradMode::kAccumulate, 0.5f).ok());
+    const std::vector<float> want_sum(model.grads().begin(), model.grads().end());
+
+    for (const GradMode mode : {GradMode::kOverwrite, GradMode::kAccumulate}) {
+      const bool overwrite = mode == GradMode::kOverwrite;
+      SCOPED_TRACE(overwrite ? "overwrite" : "accumulate");
+      const size_t at = overwrite ? 0 : 16;
+      ASSERT_TRUE(model.Forward(tokens.data() + at, targets.data() + at, 2).ok());
+      // At each call, a copy of the range it declares final.
+      std::vector<std::pair<size_t, std::vector<float>>> calls;
+      ASSERT_TRUE(model
+                      .Backward(mode, 0.5f,
+                                [&](size_t ready_from) {
+                                  ASSERT_LT(ready_from, model.num_parameters());
+                                  calls.emplace_back(ready_from, std::vector<float>(model.grads().begin() + ready_from,
+                                                                                    model.grads().end()));
+                                })
+                      .ok());
+      EXPECT_TRUE(Bitwise(model.grads(), overwrite ? want_first : want_sum));
+
+      // ln_f (and the head after it), then each block from the last, then everything.
+      ASSERT_EQ(calls.size(), static_cast<size_t>(config.layers) + 2);
+      const std::vector<TensorInfo>& layout = model.layout();
+      EXPECT_EQ(calls.front().first, layout[layout.size() - 3].offset);
+      EXPECT_EQ(layout[layout.size() - 3].name, "ln_f.weight");
+      for (int l = config.layers - 1; l >= 0; --l) {
+        const TensorInfo& first = layout[2 + 12 * static_cast<size_t>(l)];
+        EXPECT_EQ(first.name, "blocks." + std::to_string(l) + ".ln1.weight");
+        EXPECT_EQ(calls[static_cast<size_t>(config.layers - l)].first, first.offset);
+      }
+      EXPECT_EQ(calls.back().first, 0u);
+      for (size_t i = 1; i < calls.size(); ++i) EXPECT_LT(calls[i].first, calls[i - 1].first) << "call " << i;
+      // What was declared final then is what Backward left.
+      for (const auto& [ready_from, snapshot] : calls) {
+        EXPECT_TRUE(Bitwise(snapshot, model.grads().subspan(ready_from))) << "from " << ready_from;
+      }
+    }
+  }
+}
+
+// Runs the same sequence of calls on a model with and one without activation
+// checkpointing and requires the same bits from both at every step.
+TEST(ModelTest, ActivationCheckpointingIsBitIdentical) {
+  ModelConfig wider;
+  wider.context = 16;
+  wider.d_model = 32;
+  wider.heads = 4;
+  wider.layers = 3;
+  wider.mlp_ratio = 2;
+  wider.seed = 4;
+  for (const ModelConfig& base : {Tiny(), wider}) {
+    SCOPED_TRACE("layers " + std::to_string(base.layers) + ", d_model " + std::to_string(base.d_model));
+    ModelConfig config = base;
+    auto plain = Model::Create(config);
+    config.activation_checkpointing = true;
+    auto checkpointed = Model::Create(config);
+    ASSERT_TRUE(plain.ok() && checkpointed.ok());
+    Randomize(*plain, 14);
+    Randomize(*checkpointed, 14);
+    const size_t T = static_cast<size_t>(config.context);
+    const std::vector<uint8_t> tokens = RandomBytes(4 * T, 10), targets = RandomBytes(4 * T, 11);
+
+    // (first sequence, batch, mode): batch sizes that change between calls,
+    // then two micro-batches accumulated.
+    struct Step {
+      size_t first;
+      int batch;
+      GradMode mode;
+    };
+    const std::vector<Step> steps = {{0, 3, GradMode::kOverwrite},
+                                     {3, 1, GradMode::kOverwrite},
+                                     {0, 2, GradMode::kOverwrite},
+                                     {2, 2, GradMode::kAccumulate}};
+    for (size_t s = 0; s < steps.size(); ++s) {
+      SCOPED_TRACE("step " + std::to_string(s));
+      const Step& step = steps[s];
+      const float scale = step.batch == 2 ? 0.5f : 1.0f;
+      auto loss_plain = plain->Forward(tokens.data() + step.first * T, targets.data() + step.first * T, step.batch);
+      auto loss_checkpointed =
+          checkpointed->Forward(tokens.data() + step.first * T, targets.data() + step.first * T, step.batch);
+      ASSERT_TRUE(loss_plain.ok() && loss_checkpointed.ok());
+      EXPECT_TRUE(Bitwise({&*loss_plain, 1}, {&*loss_checkpointed, 1})) << *loss_plain << " vs " << *loss_checkpointed;
+      EXPECT_TRUE(Bitwise(plain->logits(), checkpointed->logits()));
+      ASSERT_TRUE(plain->Backward(step.mode, scale).ok());
+      ASSERT_TRUE(checkpointed->Backward(step.mode, scale).ok());
+      EXPECT_TRUE(Bitwise(plain->grads(), checkpointed->grads()));
+      EXPECT_LT(checkpointed->activation_bytes(), plain->activation_bytes());
+    }
+    // A forward without targets leaves what the next one with targets needs.
+    ASSERT_TRUE(plain->Forward(tokens.data(), nullptr, 4).ok());
+    ASSERT_TRUE(checkpointed->Forward(tokens.data(), nullptr, 4).ok());
+    EXPECT_TRUE(Bitwise(plain->logits(), checkpointed->logits()));
+    ASSERT_TRUE(plain->Forward(tokens.data(), targets.data(), 4).ok());
+    ASSERT_TRUE(checkpointed->Forward(tokens.data(), targets.data(), 4).ok());
+    ASSERT_TRUE(plain->Backward().ok());
+    ASSERT_TRUE(checkpointed->Backward().ok());
+    EXPECT_TRUE(Bitwise(plain->grads(), checkpointed->grads()));
+  }
+}
+
+// With checkpointing, a block beyond the first costs only its saved input
+// ([N, C]) instead of all its internal activations.
+TEST(ModelTest, ActivationCheckpointingKeepsOneBlocksInternals) {
+  auto bytes = [](int layers, bool checkpointing, int batch) {
+    ModelConfig config;  // the default widths: T=64, C=128, 4 heads
+    config.layers = layers;
+    config.activation_checkpointing = checkpointing;
+    auto model = Model::Create(config);
+    EXPECT_TRUE(model.ok());
+    EXPECT_EQ(model->activation_bytes(), 0u);
+    const std::vector<uint8_t> tokens(static_cast<size_t>(batch) * 64, 1);
+    EXPECT_TRUE(model->Forward(tokens.data(), tokens.data(), batch).ok());
+    return model->activation_bytes();
+  };
+  const int batch = 8;
+  const size_t block_input = size_t{batch} * 64 * 128 * sizeof(float);
+  const size_t one_layer = bytes(1, false, batch);
+  EXPECT_EQ(bytes(1, true, batch), one_layer);
+  const size_t per_layer = bytes(2, false, batch) - one_layer;  // internals and output of one block
+  EXPECT_GT(per_layer, 10 * block_input);
+  for (const int layers : {2, 4, 8}) {
+    SCOPED_TRACE("layers " + std::to_string(layers));
+    const size_t plain = bytes(layers, false, batch), checkpointed = bytes(layers, true, batch);
+    EXPECT_EQ(plain, one_layer + static_cast<size_t>(layers - 1) * per_layer);
+    EXPECT_EQ(checkpointed, one_layer + static_cast<size_t>(layers - 1) * block_input);
+  }
+
+  // The workspace follows the batch size down as well as up.
+  ModelConfig config = Tiny();
+  config.activation_checkpointing = true;
+  auto model = Model::Create(config);
+  ASSERT_TRUE(model.ok());
+  const std::vector<uint8_t> tokens = RandomBytes(size_t{4} * 8, 12);
+  ASSERT_TRUE(model->Forward(tokens.data(), nullptr, 4).ok());
+  const size_t four = model->activation_bytes();
+  ASSERT_TRUE(model->Forward(tokens.data(), nullptr, 1).ok());
+  EXPECT_LT(model->activation_bytes(), four);
 }
 
 TEST(ModelTest, SgdOnRepetitiveTextDrivesTheLossDown) {

@@ -14,6 +14,18 @@
 //     blocks.l.mlp.proj.weight [C, 4C], blocks.l.mlp.proj.bias [C],
 //   ln_f.weight [C], ln_f.bias [C], head.weight [V, C].
 // The qkv output of a position is [q | k | v], each [heads, C/heads].
+// Backward finishes the head and ln_f first, then the blocks from last to
+// first, then the embeddings: the reverse of this order, so what is final at
+// any point is a suffix of the flat buffer, which Backward's on_ready reports
+// by its first element. No parameter is used in two places (head is not tied
+// to wte), so each tensor is final as soon as backward has passed it.
+//
+// With activation checkpointing Forward runs every block through the one
+// shared activation slot and keeps only the block outputs (res_mlp_, which
+// are also the next blocks' inputs). Backward recomputes block l into that
+// slot from its input with the same BlockInternals call as Forward, so the
+// recomputed activations, and everything after, are bit for bit those of a
+// run without checkpointing.
 #include "worker/model/model.h"
 
 #include <cblas.h>
@@ -209,6 +221,14 @@ void AttentionBackward(float* dqkv, float* scratch, const float* dout, const flo
   }
 }
 
+// Replaces v by n zeros with exactly n allocated (the old buffer freed first),
+// so a smaller batch gives memory back and activation_bytes() is what is held.
+template <typename T>
+void Reallocate(std::vector<T>& v, size_t n) {
+  v = std::vector<T>();
+  v.resize(n);
+}
+
 }  // namespace
 
 Status ModelConfig::Validate() const {
@@ -365,40 +385,87 @@ void Model::EnsureWorkspace(int batch) {
   const size_t T = static_cast<size_t>(config_.context), C = static_cast<size_t>(config_.d_model);
   const size_t H = static_cast<size_t>(config_.heads), V = static_cast<size_t>(config_.vocab);
   const size_t F = static_cast<size_t>(config_.mlp_ratio) * C, N = B * T;
-  tokens_.assign(N, 0);
-  targets_.assign(N, 0);
-  encoded_.assign(N * C, 0.0f);
-  ln1_.assign(L * N * C, 0.0f);
-  ln1_mean_.assign(L * N, 0.0f);
-  ln1_rstd_.assign(L * N, 0.0f);
-  qkv_.assign(L * N * 3 * C, 0.0f);
-  att_.assign(L * B * H * T * T, 0.0f);
-  atty_.assign(L * N * C, 0.0f);
-  res_att_.assign(L * N * C, 0.0f);
-  ln2_.assign(L * N * C, 0.0f);
-  ln2_mean_.assign(L * N, 0.0f);
-  ln2_rstd_.assign(L * N, 0.0f);
-  fch_.assign(L * N * F, 0.0f);
-  fch_gelu_.assign(L * N * F, 0.0f);
-  res_mlp_.assign(L * N * C, 0.0f);
-  lnf_.assign(N * C, 0.0f);
-  lnf_mean_.assign(N, 0.0f);
-  lnf_rstd_.assign(N, 0.0f);
-  logits_.assign(N * V, 0.0f);
-  probs_.assign(N * V, 0.0f);
-  dres_.assign(N * C, 0.0f);
-  dln_.assign(N * C, 0.0f);
-  datty_.assign(N * C, 0.0f);
-  dqkv_.assign(N * 3 * C, 0.0f);
-  dfch_.assign(N * F, 0.0f);
-  datt_.assign(T * T, 0.0f);
-  dlogits_.assign(N * V, 0.0f);
+  const size_t slots = config_.activation_checkpointing ? 1 : L;
+  Reallocate(tokens_, N);
+  Reallocate(targets_, N);
+  Reallocate(encoded_, N * C);
+  Reallocate(ln1_, slots * N * C);
+  Reallocate(ln1_mean_, slots * N);
+  Reallocate(ln1_rstd_, slots * N);
+  Reallocate(qkv_, slots * N * 3 * C);
+  Reallocate(att_, slots * B * H * T * T);
+  Reallocate(atty_, slots * N * C);
+  Reallocate(res_att_, slots * N * C);
+  Reallocate(ln2_, slots * N * C);
+  Reallocate(ln2_mean_, slots * N);
+  Reallocate(ln2_rstd_, slots * N);
+  Reallocate(fch_, slots * N * F);
+  Reallocate(fch_gelu_, slots * N * F);
+  Reallocate(res_mlp_, L * N * C);
+  Reallocate(lnf_, N * C);
+  Reallocate(lnf_mean_, N);
+  Reallocate(lnf_rstd_, N);
+  Reallocate(logits_, N * V);
+  Reallocate(probs_, N * V);
+  Reallocate(dres_, N * C);
+  Reallocate(dln_, N * C);
+  Reallocate(datty_, N * C);
+  Reallocate(dqkv_, N * 3 * C);
+  Reallocate(dfch_, N * F);
+  Reallocate(datt_, T * T);
+  Reallocate(dlogits_, N * V);
+}
+
+size_t Model::activation_bytes() const {
+  size_t bytes = tokens_.capacity() + targets_.capacity();
+  for (const std::vector<float>* v :
+       {&encoded_,  &ln1_,      &ln1_mean_, &ln1_rstd_, &qkv_,     &att_,  &atty_,     &res_att_,  &ln2_,
+        &ln2_mean_, &ln2_rstd_, &fch_,      &fch_gelu_, &res_mlp_, &lnf_,  &lnf_mean_, &lnf_rstd_, &logits_,
+        &probs_,    &dres_,     &dln_,      &datty_,    &dqkv_,    &dfch_, &datt_,     &dlogits_}) {
+    bytes += v->capacity() * sizeof(float);
+  }
+  return bytes;
+}
+
+Model::BlockActivations Model::Activations(int l) {
+  const size_t slot = config_.activation_checkpointing ? 0 : static_cast<size_t>(l);
+  const size_t C = static_cast<size_t>(config_.d_model), F = static_cast<size_t>(config_.mlp_ratio) * C;
+  const size_t T = static_cast<size_t>(config_.context), H = static_cast<size_t>(config_.heads);
+  const size_t N = static_cast<size_t>(batch_) * T;
+  return BlockActivations{
+      .ln1 = ln1_.data() + slot * N * C,
+      .ln1_mean = ln1_mean_.data() + slot * N,
+      .ln1_rstd = ln1_rstd_.data() + slot * N,
+      .qkv = qkv_.data() + slot * N * 3 * C,
+      .att = att_.data() + slot * static_cast<size_t>(batch_) * H * T * T,
+      .atty = atty_.data() + slot * N * C,
+      .res_att = res_att_.data() + slot * N * C,
+      .ln2 = ln2_.data() + slot * N * C,
+      .ln2_mean = ln2_mean_.data() + slot * N,
+      .ln2_rstd = ln2_rstd_.data() + slot * N,
+      .fch = fch_.data() + slot * N * F,
+      .fch_gelu = fch_gelu_.data() + slot * N * F,
+  };
+}
+
+void Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input) {
+  const int T = config_.context, C = config_.d_model, H = config_.heads, F = config_.mlp_ratio * C;
+  const size_t N = static_cast<size_t>(batch_) * static_cast<size_t>(T);
+  const int n = static_cast<int>(N);
+  LayerNormForward(a.ln1, a.ln1_mean, a.ln1_rstd, input, w.ln1_w, w.ln1_b, n, C);
+  LinearForward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, n, C, 3 * C);
+  AttentionForward(a.atty, a.att, a.qkv, batch_, T, C, H);
+  LinearForward(a.res_att, a.atty, w.proj_w, w.proj_b, n, C, C);
+  for (size_t i = 0; i < N * C; ++i) a.res_att[i] += input[i];
+  LayerNormForward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res_att, w.ln2_w, w.ln2_b, n, C);
+  LinearForward(a.fch, a.ln2, w.fc_w, w.fc_b, n, C, F);
+  GeluForward(a.fch_gelu, a.fch, N * F);
 }
 
 Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch) {
   if (batch < 1) return InvalidArgument("model forward: batch must be at least 1, got {}", batch);
   if (tokens == nullptr) return InvalidArgument("model forward: no tokens");
-  const int T = config_.context, C = config_.d_model, H = config_.heads, V = config_.vocab;
+  const int T = config_.context, C = config_.d_model, V = config_.vocab;
   const int F = config_.mlp_ratio * C;
   const size_t N = static_cast<size_t>(batch) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
@@ -422,27 +489,11 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   const float* residual = encoded_.data();
   for (int l = 0; l < config_.layers; ++l) {
     const BlockTensors& w = p.blocks[static_cast<size_t>(l)];
-    const size_t lc = static_cast<size_t>(l) * N * C, ln = static_cast<size_t>(l) * N;
-    float* ln1 = ln1_.data() + lc;
-    float* qkv = qkv_.data() + lc * 3;
-    float* att = att_.data() + static_cast<size_t>(l) * batch * H * T * T;
-    float* atty = atty_.data() + lc;
-    float* res_att = res_att_.data() + lc;
-    float* ln2 = ln2_.data() + lc;
-    float* fch = fch_.data() + static_cast<size_t>(l) * N * F;
-    float* fch_gelu = fch_gelu_.data() + static_cast<size_t>(l) * N * F;
-    float* res_mlp = res_mlp_.data() + lc;
-
-    LayerNormForward(ln1, ln1_mean_.data() + ln, ln1_rstd_.data() + ln, residual, w.ln1_w, w.ln1_b, n, C);
-    LinearForward(qkv, ln1, w.qkv_w, w.qkv_b, n, C, 3 * C);
-    AttentionForward(atty, att, qkv, batch, T, C, H);
-    LinearForward(res_att, atty, w.proj_w, w.proj_b, n, C, C);
-    for (size_t i = 0; i < N * C; ++i) res_att[i] += residual[i];
-    LayerNormForward(ln2, ln2_mean_.data() + ln, ln2_rstd_.data() + ln, res_att, w.ln2_w, w.ln2_b, n, C);
-    LinearForward(fch, ln2, w.fc_w, w.fc_b, n, C, F);
-    GeluForward(fch_gelu, fch, N * F);
-    LinearForward(res_mlp, fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
-    for (size_t i = 0; i < N * C; ++i) res_mlp[i] += res_att[i];
+    const BlockActivations a = Activations(l);
+    float* res_mlp = res_mlp_.data() + static_cast<size_t>(l) * N * C;
+    BlockInternals(w, a, residual);
+    LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
+    for (size_t i = 0; i < N * C; ++i) res_mlp[i] += a.res_att[i];
     residual = res_mlp;
   }
   LayerNormForward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), residual, p.lnf_w, p.lnf_b, n, C);
@@ -469,7 +520,7 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   return static_cast<float>(loss / static_cast<double>(N));
 }
 
-Status Model::Backward(GradMode mode, float scale) {
+Status Model::Backward(GradMode mode, float scale, const std::function<void(size_t ready_from)>& on_ready) {
   if (!have_targets_) {
     return FailedPrecondition("model backward: needs a forward with targets first (and runs once per forward)");
   }
@@ -481,6 +532,10 @@ Status Model::Backward(GradMode mode, float scale) {
   const int n = static_cast<int>(N);
   const TensorViews p = Bind(params_.data());
   const TensorViews g = Bind(grads_.data());
+  // Everything from the tensor at `first` to the end of the flat buffer is final.
+  auto ready = [&](const float* first) {
+    if (on_ready) on_ready(static_cast<size_t>(first - grads_.data()));
+  };
 
   // dlogits = scale · (probs - onehot(target)) / N
   const float k = scale / static_cast<float>(N);
@@ -495,32 +550,27 @@ Status Model::Backward(GradMode mode, float scale) {
   const float* last = res_mlp_.data() + static_cast<size_t>(config_.layers - 1) * N * C;  // layers >= 1
   LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(), n,
                     C);
+  ready(g.lnf_w);
 
   // dres_ holds ∂L/∂(block output); each block turns it into ∂L/∂(block input).
   for (int l = config_.layers - 1; l >= 0; --l) {
     const BlockTensors& w = p.blocks[static_cast<size_t>(l)];
     const BlockTensors& gw = g.blocks[static_cast<size_t>(l)];
-    const size_t lc = static_cast<size_t>(l) * N * C, ln = static_cast<size_t>(l) * N;
-    const float* residual = l == 0 ? encoded_.data() : res_mlp_.data() + lc - N * C;
-    const float* ln1 = ln1_.data() + lc;
-    const float* qkv = qkv_.data() + lc * 3;
-    const float* att = att_.data() + static_cast<size_t>(l) * B * H * T * T;
-    const float* atty = atty_.data() + lc;
-    const float* res_att = res_att_.data() + lc;
-    const float* ln2 = ln2_.data() + lc;
-    const float* fch = fch_.data() + static_cast<size_t>(l) * N * F;
-    const float* fch_gelu = fch_gelu_.data() + static_cast<size_t>(l) * N * F;
+    const float* residual = l == 0 ? encoded_.data() : res_mlp_.data() + static_cast<size_t>(l - 1) * N * C;
+    const BlockActivations a = Activations(l);
+    // The shared slot still holds the last block from Forward; the others
+    // are recomputed from their inputs.
+    if (config_.activation_checkpointing && l != config_.layers - 1) BlockInternals(w, a, residual);
 
-    LinearBackward(dfch_.data(), gw.fcproj_w, gw.fcproj_b, dres_.data(), fch_gelu, w.fcproj_w, n, F, C);
-    GeluBackward(dfch_.data(), fch, N * F);
-    LinearBackward(dln_.data(), gw.fc_w, gw.fc_b, dfch_.data(), ln2, w.fc_w, n, C, F);
-    LayerNormBackward(dres_.data(), gw.ln2_w, gw.ln2_b, dln_.data(), res_att, w.ln2_w, ln2_mean_.data() + ln,
-                      ln2_rstd_.data() + ln, n, C);
-    LinearBackward(datty_.data(), gw.proj_w, gw.proj_b, dres_.data(), atty, w.proj_w, n, C, C);
-    AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), qkv, att, B, T, C, H);
-    LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), ln1, w.qkv_w, n, C, 3 * C);
-    LayerNormBackward(dres_.data(), gw.ln1_w, gw.ln1_b, dln_.data(), residual, w.ln1_w, ln1_mean_.data() + ln,
-                      ln1_rstd_.data() + ln, n, C);
+    LinearBackward(dfch_.data(), gw.fcproj_w, gw.fcproj_b, dres_.data(), a.fch_gelu, w.fcproj_w, n, F, C);
+    GeluBackward(dfch_.data(), a.fch, N * F);
+    LinearBackward(dln_.data(), gw.fc_w, gw.fc_b, dfch_.data(), a.ln2, w.fc_w, n, C, F);
+    LayerNormBackward(dres_.data(), gw.ln2_w, gw.ln2_b, dln_.data(), a.res_att, w.ln2_w, a.ln2_mean, a.ln2_rstd, n, C);
+    LinearBackward(datty_.data(), gw.proj_w, gw.proj_b, dres_.data(), a.atty, w.proj_w, n, C, C);
+    AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), a.qkv, a.att, B, T, C, H);
+    LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), a.ln1, w.qkv_w, n, C, 3 * C);
+    LayerNormBackward(dres_.data(), gw.ln1_w, gw.ln1_b, dln_.data(), residual, w.ln1_w, a.ln1_mean, a.ln1_rstd, n, C);
+    ready(gw.ln1_w);
   }
   for (size_t i = 0; i < N; ++i) {
     float* dte = g.wte + static_cast<size_t>(tokens_[i]) * C;
@@ -531,6 +581,7 @@ Status Model::Backward(GradMode mode, float scale) {
       dpe[j] += d[j];
     }
   }
+  ready(g.wte);
   return Status::Ok();
 }
 

@@ -19,7 +19,19 @@
 //
 // Activations needed by backward are kept in a workspace allocated at the
 // first Forward for a given batch size and reused while the batch size stays
-// the same. Matrix products go through CBLAS (OpenBLAS in the supported
+// the same. With ModelConfig::activation_checkpointing, Forward keeps only the
+// residual stream between blocks and Backward recomputes each block's
+// internals just before going back through it, into one block's worth of
+// scratch: about 1/layers of the per-block memory, for computing the blocks
+// but the last a second time (all but their MLP output projection), with
+// bit-identical results (the same kernels on the same inputs).
+//
+// Backward can report gradients as they become final (its on_ready
+// callback), so a distributed runtime can send them while backward goes on.
+// That is why the flat order puts what backward finishes first (the head) at
+// the end and what it finishes last (the embeddings) at the start.
+//
+// Matrix products go through CBLAS (OpenBLAS in the supported
 // build); SetBlasThreads sets how many threads it uses (1 per worker process
 // by default, through ModelConfig::blas_threads).
 //
@@ -34,6 +46,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <vector>
@@ -52,6 +65,9 @@ struct ModelConfig {
   int mlp_ratio = 4;     // hidden width of the MLP is mlp_ratio · d_model
   uint64_t seed = 1;     // initialisation seed
   int blas_threads = 1;  // applied by Model::Create; 0 leaves the BLAS setting alone
+  // Recompute each block's internal activations in Backward instead of
+  // keeping them from Forward (see the top of this file).
+  bool activation_checkpointing = false;
 
   // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
   Status Validate() const;
@@ -108,10 +124,25 @@ class Model {
   // Gradients of the last Forward's loss, times `scale`, into grads().
   // FAILED_PRECONDITION unless the last Forward had targets. Backward may run
   // once per Forward.
-  Status Backward(GradMode mode = GradMode::kOverwrite, float scale = 1.0f);
+  //
+  // on_ready, when given, is called on the calling thread each time Backward
+  // has made the gradients of the flat elements [ready_from, num_parameters())
+  // final for this call (nothing later in this Backward writes them): after
+  // the head and ln_f, after each block (last to first), and after the
+  // embeddings. ready_from strictly decreases from call to call and the last
+  // call is on_ready(0), so there are layers + 2 calls. The callback may read
+  // (or start sending) grads()[ready_from, end) but must not write grads()
+  // or call into the model; the elements below ready_from are still being
+  // computed.
+  Status Backward(GradMode mode = GradMode::kOverwrite, float scale = 1.0f,
+                  const std::function<void(size_t ready_from)>& on_ready = nullptr);
 
   // The last Forward's logits, [batch, T, vocab].
   std::span<const float> logits() const { return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()}; }
+
+  // Bytes of activation workspace allocated now (everything Forward and
+  // Backward keep between or use within calls; 0 before the first Forward).
+  size_t activation_bytes() const;
 
  private:
   explicit Model(const ModelConfig& config);
@@ -130,25 +161,36 @@ class Model {
   };
   TensorViews Bind(float* base) const;
 
+  // Where the internal activations of block l live in the workspace: its own
+  // slot, or with activation checkpointing the one slot all blocks share.
+  struct BlockActivations {
+    float *ln1, *ln1_mean, *ln1_rstd, *qkv, *att, *atty, *res_att, *ln2, *ln2_mean, *ln2_rstd, *fch, *fch_gelu;
+  };
+  BlockActivations Activations(int l);
+  // Block l's internal activations (everything up to the MLP's hidden layer)
+  // from its input, for the current batch.
+  void BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input);
+
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
   std::vector<float> params_;
   std::vector<float> grads_;
 
   // Workspace: activations of the last Forward (per layer where it applies,
-  // layer-major) and scratch for Backward. Sized for batch_ sequences.
+  // layer-major; one layer's worth with activation checkpointing, marked
+  // [L'] below) and scratch for Backward. Sized for batch_ sequences.
   int batch_ = 0;
   bool have_targets_ = false;
   std::vector<uint8_t> tokens_, targets_;
   std::vector<float> encoded_;                    // [N, C] input of block 0
-  std::vector<float> ln1_, ln1_mean_, ln1_rstd_;  // [L, N, C], [L, N]
-  std::vector<float> qkv_;                        // [L, N, 3C]
-  std::vector<float> att_;                        // [L, B, H, T, T] softmax probabilities
-  std::vector<float> atty_;                       // [L, N, C] attention output before proj
-  std::vector<float> res_att_;                    // [L, N, C] residual after attention
-  std::vector<float> ln2_, ln2_mean_, ln2_rstd_;  // [L, N, C], [L, N]
-  std::vector<float> fch_, fch_gelu_;             // [L, N, 4C]
-  std::vector<float> res_mlp_;                    // [L, N, C] residual after the MLP (block output)
+  std::vector<float> ln1_, ln1_mean_, ln1_rstd_;  // [L', N, C], [L', N]
+  std::vector<float> qkv_;                        // [L', N, 3C]
+  std::vector<float> att_;                        // [L', B, H, T, T] softmax probabilities
+  std::vector<float> atty_;                       // [L', N, C] attention output before proj
+  std::vector<float> res_att_;                    // [L', N, C] residual after attention
+  std::vector<float> ln2_, ln2_mean_, ln2_rstd_;  // [L', N, C], [L', N]
+  std::vector<float> fch_, fch_gelu_;             // [L', N, 4C]
+  std::vector<float> res_mlp_;                    // [L, N, C] residual after the MLP (block output), always kept
   std::vector<float> lnf_, lnf_mean_, lnf_rstd_;  // [N, C], [N]
   std::vector<float> logits_, probs_;             // [N, V]
   std::vector<float> dres_, dln_, datty_, dqkv_;  // backward scratch, [N, C] / [N, 3C]
