@@ -3,7 +3,7 @@
 #   make deps    install the Debian packages Tandem needs (idempotent)
 #   make build   configure and build into build/ (BUILD_TYPE=RelWithDebInfo)
 #   make test    deps + build + the whole test suite
-#   make demo    start a local cluster with `tandem run`
+#   make demo    train the reference model on a local cluster with `tandem run`
 #   make bench   the benchmarks, beside the baselines measured in the same run
 #   make clean   remove the build trees
 #
@@ -47,7 +47,7 @@ test-tsan:
 	$(MAKE) test BUILD_DIR=build-tsan BUILD_TYPE=Debug CUDA=OFF SANITIZE=thread CTEST_FLAGS="-L concurrency"
 
 demo: build
-	$(BUILD_DIR)/bin/tandem run --servers 2 --workers 2
+	$(BUILD_DIR)/bin/tandem run --nodes 2 --workers-per-node 2 --servers 2 --steps 200 --summary $(BUILD_DIR)/demo-summary.json
 
 bench: build
 	@scripts/bench.sh $(BUILD_DIR)

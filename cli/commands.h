@@ -25,6 +25,8 @@ double Median(std::vector<double> v);
 
 // tandem run: start a local cluster on this machine (see run_command.cc).
 int RunCommand(int argc, char** argv);
+// tandem train: the reference model in this process alone.
+int TrainCommand(int argc, char** argv);
 // tandem health ADDRESS: ask a daemon's gRPC health service.
 int HealthCommand(int argc, char** argv);
 // tandem status | drain | scale: the coordinator's admin API.
@@ -41,6 +43,8 @@ int BenchCollectiveCommand(const std::string& collective, int argc, char** argv)
 int BenchOptimizerCommand(int argc, char** argv);
 // tandem bench ps: parameter-server push and pull goodput beside ucx_perftest.
 int BenchPsCommand(int argc, char** argv);
+// tandem bench train: tokens/s of each training mode beside one process.
+int BenchTrainCommand(int argc, char** argv);
 // tandem checkpoint save | restore | verify: the parameter servers'
 // checkpoints (verify reads a checkpoint directory offline).
 int CheckpointSaveCommand(int argc, char** argv);

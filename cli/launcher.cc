@@ -7,6 +7,7 @@
 #include <fstream>
 #include <thread>
 
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 namespace tandem::cli {
@@ -50,9 +51,13 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
   d.log_file = spec.work_dir + "/" + spec.name + ".log";
   const std::string ready_file = spec.work_dir + "/" + spec.name + ".ready.json";
   std::remove(ready_file.c_str());
+  // host:0, an IPv6 host in brackets.
+  const std::string any_port =
+      (spec.listen_host.find(':') != std::string::npos ? "[" + spec.listen_host + "]" : spec.listen_host) + ":0";
   SpawnOptions options;
-  options.argv = {spec.binary,         "--name",      spec.name,      "--listen-address", "127.0.0.1:0",
-                  "--metrics-address", "127.0.0.1:0", "--ready-file", ready_file};
+  options.argv = spec.exec_prefix;
+  options.argv.insert(options.argv.end(), {spec.binary, "--name", spec.name, "--listen-address", any_port,
+                                           "--metrics-address", any_port, "--ready-file", ready_file});
   options.argv.insert(options.argv.end(), spec.args.begin(), spec.args.end());
   options.output_file = d.log_file;
   TANDEM_ASSIGN_OR_RETURN(d.process, Subprocess::Spawn(options));
@@ -63,6 +68,13 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
       auto ready = ReadReadyFile(ready_file);
       if (!ready.ok()) return ready.status();
       d.ready = *ready;
+      // A prefix that forked would leave d.process a wrapper that signals cannot stop cleanly.
+      if (!spec.exec_prefix.empty() && d.ready.pid != d.process->pid()) {
+        return FailedPrecondition(
+            "{} reports PID {} but was started as PID {}: the exec prefix '{}' must exec the "
+            "daemon, not fork it",
+            spec.name, d.ready.pid, d.process->pid(), fmt::join(spec.exec_prefix, " "));
+      }
       return d;
     }
     if (!d.process->Running()) {

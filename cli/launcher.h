@@ -35,6 +35,13 @@ struct LaunchSpec {
   std::vector<std::string> args;  // extra flags
   std::string work_dir;           // log and ready files go here
   std::chrono::milliseconds startup_timeout{20000};
+  // The IP the daemon listens on, port 0, for gRPC and metrics (a simulated
+  // node's address: cli/node_network.h).
+  std::string listen_host = "127.0.0.1";
+  // Put in front of the daemon's command line, e.g. {"/usr/sbin/ip", "netns",
+  // "exec", "tnd1234n0"}; it must exec the daemon in the same process (the
+  // PID must be the daemon's: Launch checks the ready file's against it).
+  std::vector<std::string> exec_prefix;
 };
 
 struct LaunchedDaemon {
@@ -44,9 +51,9 @@ struct LaunchedDaemon {
   ReadyInfo ready;
 };
 
-// Starts the daemon listening on 127.0.0.1 port 0 for gRPC and metrics, and
-// waits for its ready file. If it exits or times out first, the error quotes
-// the end of its log.
+// Starts exec_prefix + binary + flags + args, the daemon listening on
+// listen_host port 0 for gRPC and metrics, and waits for its ready file. If it
+// exits or times out first, the error quotes the end of its log.
 Result<LaunchedDaemon> Launch(const LaunchSpec& spec);
 
 // The last `lines` lines of a file (for error messages).

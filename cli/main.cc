@@ -15,7 +15,9 @@ constexpr const char* kUsage =
 Usage: tandem COMMAND [flags]
 
 Commands:
-  run        start a local cluster (coordinator, servers, workers) on this machine
+  run        train the reference model on a local cluster (coordinator, servers, workers over simulated
+             nodes), with elastic faults on request ('tandem run --kill-worker-at 20')
+  train      train the reference model in this process alone (the single-process reference)
   status     show a job: epoch, members with role, rank, node, step and health, shard map
   drain      take a member out of its job at the next epoch
   scale      change a job's minimum and maximum number of workers
@@ -25,6 +27,7 @@ Commands:
              (the data plane's collectives between N processes on this machine)
              'tandem bench optimizer' (the parameter server's optimizer update vs memory bandwidth and torch)
              'tandem bench ps' (parameter-server push and pull goodput vs ucx_perftest)
+             'tandem bench train' (tokens/s of each training mode and the exposed communication)
   checkpoint the parameter servers' checkpoints: 'tandem checkpoint save|restore' (every server of a job's
              active epoch, a consistent cut at one step); 'tandem checkpoint verify PATH' (offline check)
   ps         'tandem ps stats': every parameter server's partitions, step, state, lag and last checkpoint
@@ -50,6 +53,7 @@ int main(int argc, char** argv) {
   }
   // Each command parses argv[1..]: its own name stands where the program name would.
   if (command == "run") return tandem::cli::RunCommand(argc - 1, argv + 1);
+  if (command == "train") return tandem::cli::TrainCommand(argc - 1, argv + 1);
   if (command == "health") return tandem::cli::HealthCommand(argc - 1, argv + 1);
   if (command == "status") return tandem::cli::StatusCommand(argc - 1, argv + 1);
   if (command == "drain") return tandem::cli::DrainCommand(argc - 1, argv + 1);
@@ -81,6 +85,7 @@ int main(int argc, char** argv) {
       return tandem::cli::BenchOptimizerCommand(argc - 2, argv + 2);
     }
     if (argc >= 3 && std::strcmp(argv[2], "ps") == 0) return tandem::cli::BenchPsCommand(argc - 2, argv + 2);
+    if (argc >= 3 && std::strcmp(argv[2], "train") == 0) return tandem::cli::BenchTrainCommand(argc - 2, argv + 2);
     for (const char* c : {"allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "barrier"}) {
       if (argc >= 3 && std::strcmp(argv[2], c) == 0) return tandem::cli::BenchCollectiveCommand(c, argc - 2, argv + 2);
     }

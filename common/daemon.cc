@@ -102,6 +102,26 @@ const std::string& Daemon::metrics_address() const {
   return metrics_->address();
 }
 
+void Daemon::RequestShutdown(Status failure) {
+  std::function<void()> handler;
+  {
+    std::lock_guard lock(shutdown_mu_);
+    if (!failure.ok() && failure_.ok()) failure_ = std::move(failure);
+    handler = shutdown_handler_;
+  }
+  if (handler) handler();
+}
+
+Status Daemon::failure() const {
+  std::lock_guard lock(shutdown_mu_);
+  return failure_;
+}
+
+void Daemon::SetShutdownHandler(std::function<void()> handler) {
+  std::lock_guard lock(shutdown_mu_);
+  shutdown_handler_ = std::move(handler);
+}
+
 int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   // First, before any thread exists, so every thread inherits the blocked signals.
   ShutdownSignal shutdown;
@@ -129,6 +149,7 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   spdlog::info("{} {} starting (pid {})", spec.program, TANDEM_VERSION, getpid());
 
   Daemon daemon(spec.role, config);
+  daemon.SetShutdownHandler([&shutdown] { shutdown.RequestShutdown(); });
   bool started = false;
   const auto fail = [&](const Status& s, std::string_view what) {
     spdlog::error("{}: {}", what, s.message());
@@ -152,6 +173,10 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   if (spec.stopping) spec.stopping(daemon);
   daemon.Stop();
   const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+  if (Status failed = daemon.failure(); !failed.ok()) {
+    spdlog::error("stopped after a failure: {}", failed.ToString());
+    return 1;
+  }
   spdlog::info("stopped cleanly in {} ms", took.count());
   return 0;
 }

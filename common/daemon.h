@@ -18,6 +18,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,14 @@ class Daemon {
   const std::string& grpc_address() const;
   const std::string& metrics_address() const;
 
+  // Asks the daemon to shut down as SIGTERM would, from any thread. With a
+  // non-OK `failure` (for example a training loop that cannot go on) the
+  // daemon logs it and exits 1 after its clean shutdown.
+  void RequestShutdown(Status failure = Status::Ok());
+  Status failure() const;
+  // RunDaemon's hook that wakes its main thread.
+  void SetShutdownHandler(std::function<void()> handler);
+
  private:
   std::string role_;
   DaemonConfig config_;
@@ -75,6 +84,9 @@ class Daemon {
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<GrpcServer> grpc_;
   std::atomic<bool> ready_{false};
+  mutable std::mutex shutdown_mu_;
+  Status failure_;
+  std::function<void()> shutdown_handler_;
 };
 
 struct DaemonSpec {

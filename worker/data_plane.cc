@@ -89,6 +89,10 @@ Status DataPlane::Hook(MemberHooks* hooks) {
 
 void DataPlane::Stop() {
   stopping_ = true;
+  {
+    std::lock_guard lock(view_mu_);
+    view_cv_.notify_all();
+  }
   std::lock_guard lock(mu_);
   if (manager_) manager_->Abort("the worker is shutting down");
   if (ps_client_) ps_client_->Stop();
@@ -164,6 +168,18 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   }
   metrics_->builds_ok->Increment();
   metrics_->epoch->Set(static_cast<double>(epoch.epoch()));
+  {
+    auto view = std::make_shared<EpochView>();
+    view->epoch = epoch;
+    view->member_id = session.member_id();
+    for (const auto& p : epoch.peers()) {
+      if (p.member_id() == view->member_id) view->rank = p.rank();
+    }
+    std::lock_guard lock(view_mu_);
+    built_ = std::move(view);
+    session_ = &session;
+    view_cv_.notify_all();
+  }
   const auto names = manager_->names();
   metrics_->communicators->Set(static_cast<double>(names.size()));
   std::string summary;
@@ -176,6 +192,23 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   spdlog::info("epoch {}: data plane ready in {:.0f} ms{}: {}", epoch.epoch(), seconds * 1e3,
                config_.self_check ? ", self-check passed" : "", summary);
   return Status::Ok();
+}
+
+std::shared_ptr<const DataPlane::EpochView> DataPlane::built() const {
+  std::lock_guard lock(view_mu_);
+  return built_;
+}
+
+std::shared_ptr<const DataPlane::EpochView> DataPlane::WaitNewer(uint64_t after, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(view_mu_);
+  view_cv_.wait_for(lock, timeout, [&] { return stopping_ || (built_ && built_->epoch.epoch() > after); });
+  if (stopping_ || !built_ || built_->epoch.epoch() <= after) return nullptr;
+  return built_;
+}
+
+void DataPlane::ReportStep(uint64_t step) {
+  std::lock_guard lock(view_mu_);
+  if (session_ != nullptr) session_->SetStep(step);
 }
 
 Status DataPlane::SelfCheck() {

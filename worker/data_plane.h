@@ -28,6 +28,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -62,7 +63,25 @@ class DataPlane {
 
   comm::CommManager& manager() { return *manager_; }
   // The parameter-server client, joined to every epoch that has servers.
-  PsClient& ps_client() { return *ps_client_; }
+  // Null until the first epoch arrives.
+  PsClient* ps_client() { return ps_client_.get(); }
+
+  // The newest epoch whose data plane is built (communicators and, when it
+  // has servers, the parameter-server group), as this member sees it.
+  struct EpochView {
+    v1::MembershipEpoch epoch;
+    uint64_t member_id = 0;
+    v1::RankAssignment rank;  // this worker's ranks in it
+  };
+  // Null before the first epoch is built.
+  std::shared_ptr<const EpochView> built() const;
+  // Waits until an epoch newer than `after` is built; null after `timeout`
+  // or once the data plane stops.
+  std::shared_ptr<const EpochView> WaitNewer(uint64_t after, std::chrono::milliseconds timeout);
+  // The last training step this worker completed, for its heartbeats (the
+  // coordinator keeps the job's step and starts new epochs from it).
+  void ReportStep(uint64_t step);
+  bool stopping() const { return stopping_; }
 
  private:
   Status OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session);
@@ -77,6 +96,10 @@ class DataPlane {
   v1::MembershipEpoch epoch_;  // the epoch being built (the factory reads node placement from it)
   uint64_t member_id_ = 0;
   std::atomic<bool> stopping_{false};
+  mutable std::mutex view_mu_;
+  std::condition_variable view_cv_;
+  std::shared_ptr<const EpochView> built_ TANDEM_GUARDED_BY(view_mu_);
+  MemberSession* session_ TANDEM_GUARDED_BY(view_mu_) = nullptr;
   struct Metrics;
   std::unique_ptr<Metrics> metrics_;
 };

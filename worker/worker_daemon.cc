@@ -1,15 +1,19 @@
 #include "worker/worker_daemon.h"
 
+#include <atomic>
+#include <thread>
+
 #include <prometheus/gauge.h>
 #include <spdlog/spdlog.h>
 
 #include "common/member_daemon.h"
+#include "tandem/worker.h"
 #include "worker/data_plane.h"
 #include "worker/nccl/gpu_info.h"
 
 namespace tandem::worker {
 
-DaemonSpec MakeDaemonSpec() {
+DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
   DaemonSpec spec;
   spec.program = "tandem-worker";
   spec.role = "worker";
@@ -21,14 +25,31 @@ DaemonSpec MakeDaemonSpec() {
       "unreachable and reports ready (health service \"tandem.ready\") only while it answers.";
   struct State {
     DataPlaneConfig config;
+    TrainConfig train;
     std::unique_ptr<DataPlane> data_plane;
+    std::atomic<bool> stop{false};
+    std::thread trainer;
   };
   auto state = std::make_shared<State>();
-  auto declare = [state](OptionSet& options) { DeclareDataPlaneOptions(options, &state->config); };
-  auto stopping = [state] {
-    if (state->data_plane) state->data_plane->Stop();
+  auto declare = [state](OptionSet& options) {
+    DeclareDataPlaneOptions(options, &state->config);
+    DeclareTrainOptions(options, &state->train);
   };
-  auto started = [state](Daemon& daemon, v1::NodeIdentity* node, MemberHooks* hooks) -> Status {
+  auto stopping = [state] {
+    state->stop = true;
+    if (state->data_plane) state->data_plane->Stop();
+    if (state->trainer.joinable()) state->trainer.join();
+  };
+  auto started = [state, loop](Daemon& daemon, v1::NodeIdentity* node, MemberHooks* hooks) -> Status {
+    const bool training = loop != nullptr || state->train.steps > 0;
+    if (training) {
+      // Configuration errors stop the start-up, before the worker joins a job.
+      TANDEM_RETURN_IF_ERROR(ModelConfigOf(state->train).status());
+      TANDEM_RETURN_IF_ERROR(RuntimeOptionsOf(state->train).status());
+      if (state->config.backend == "off") {
+        return InvalidArgument("training needs a data plane, but data_plane.backend is off");
+      }
+    }
     const gpu::GpuInfo info = gpu::Probe();
     spdlog::info("GPU backend: {}", gpu::Describe(info));
     int usable = 0;
@@ -56,10 +77,40 @@ DaemonSpec MakeDaemonSpec() {
                                          info.nccl_version % 100));
     }
     state->data_plane = std::make_unique<DataPlane>(state->config, daemon);
-    return state->data_plane->Hook(hooks);
+    TANDEM_RETURN_IF_ERROR(state->data_plane->Hook(hooks));
+    if (training) {
+      state->trainer = std::thread([state, loop, &daemon] {
+        WorkerContext context{*state->data_plane, state->train, daemon.registry(),
+                              [state] { return state->stop.load(); }};
+        Status s;
+        if (loop) {
+          s = loop(context);
+        } else {
+          TrainerHooks trainer_hooks;
+          trainer_hooks.registry = &daemon.registry();
+          trainer_hooks.stopping = context.stopping;
+          s = Train(state->train, *state->data_plane, trainer_hooks);
+        }
+        if (s.ok()) {
+          spdlog::info("training finished; the worker stays in the job until it is stopped");
+        } else if (!state->stop) {
+          spdlog::error("training failed: {}", s.ToString());
+          daemon.RequestShutdown(s.WithContext("training"));
+        }
+      });
+    }
+    return Status::Ok();
   };
   MakeMemberSpec(spec, v1::ROLE_WORKER, declare, started, stopping);
   return spec;
 }
 
 }  // namespace tandem::worker
+
+namespace tandem {
+
+int RunWorker(int argc, char** argv, TrainingLoop loop) {
+  return RunDaemon(argc, argv, worker::MakeDaemonSpec(std::move(loop)));
+}
+
+}  // namespace tandem

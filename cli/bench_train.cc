@@ -1,0 +1,157 @@
+// tandem bench train: training throughput of each mode on a local cluster,
+// beside the same training in one process measured in the same run.
+//
+// For each mode it runs the reference model (cli/local_cluster.h) with the
+// same global batch and reports tokens per second, the ratio to the
+// single-process run, the median step and compute (forward + backward)
+// times, and the fraction of step time the workers spent waiting for
+// communication after backward: the communication that backward did not hide.
+#include <cmath>
+
+#include "cli/commands.h"
+#include "cli/launcher.h"
+#include "cli/local_cluster.h"
+#include "common/config.h"
+#include "common/shutdown.h"
+#include "worker/runtime/trainer.h"
+
+namespace tandem::cli {
+namespace {
+
+struct Row {
+  std::string mode;
+  int64_t workers = 1;
+  int64_t servers = 0;
+  double tokens_per_second = 0;
+  double step_ms = 0;
+  double compute_ms = 0;
+  double exposed = 0;
+  double last_loss = 0;
+};
+
+std::vector<std::string> Split(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!item.empty()) out.push_back(item);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+int BenchTrainCommand(int argc, char** argv) {
+  ShutdownSignal shutdown;
+  ClusterOptions o;
+  o.bin_dir = ExecutableDir();
+  o.train.steps = 40;
+  o.network = "loopback";
+  o.progress = false;
+  std::string modes = "hybrid,allreduce,ps";
+  bool json = false;
+  OptionSet options("tandem bench train",
+                    "tokens/s of each training mode on a local cluster, beside one process, and the communication "
+                    "backward does not hide");
+  options.EnableConfigFile();
+  options.String("modes", &modes, "comma-separated modes to measure (hybrid, allreduce, ps)");
+  options.Int("steps", &o.train.steps, "training steps per mode (the first is not timed)", 3, 1 << 20);
+  options.Int("nodes", &o.nodes, "simulated nodes", 1, 253);
+  options.Int("workers_per_node", &o.workers_per_node, "workers on each node", 1, 64);
+  options.Int("servers", &o.servers, "parameter servers (hybrid and ps modes)", 1, 64);
+  options.Bytes("partition_size", &o.partition_bytes, "size of one parameter-server partition", 4096, 1ull << 32);
+  options.Choice("network", &o.network, {"auto", "netns", "loopback"},
+                 "simulated nodes as network namespaces, or all on loopback");
+  options.Bool("json", &json, "print one JSON object per mode instead of the table");
+  worker::DeclareTrainOptions(options, &o.train, /*job_keys=*/false);
+  if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
+  o.nodes = std::max<int64_t>(o.nodes, 1);
+  if (o.nodes * o.workers_per_node == 1) o.nodes = 2;
+
+  std::vector<Row> rows;
+  // One process: the baseline.
+  {
+    Row row;
+    row.mode = "1 process";
+    std::vector<double> step_s, compute_s;
+    double tokens = 0, wall = 0;
+    Status s = worker::TrainLocally(
+        o.train,
+        [&](const worker::StepRecord& r) {
+          if (r.step < 2) return;
+          step_s.push_back(r.step_seconds);
+          compute_s.push_back(r.compute_seconds);
+          tokens += static_cast<double>(r.tokens);
+          wall += r.step_seconds;
+          row.last_loss = r.loss;
+        },
+        nullptr);
+    if (!s.ok()) {
+      fmt::print(stderr, "tandem bench train: one process: {}\n", s.ToString());
+      return 1;
+    }
+    row.tokens_per_second = wall > 0 ? tokens / wall : 0;
+    row.step_ms = Median(step_s) * 1e3;
+    row.compute_ms = Median(compute_s) * 1e3;
+    rows.push_back(row);
+  }
+  const int64_t workers = o.nodes * o.workers_per_node;
+  if (!json) {
+    fmt::print(
+        "# tandem bench train: reference model, {} layers x d_model {}, context {}, global batch {}, {} steps; "
+        "{} node(s) x {} worker(s), network {}\n",
+        o.train.layers, o.train.d_model, o.train.context, o.train.global_batch, o.train.steps, o.nodes,
+        o.workers_per_node, o.network);
+    fmt::print(
+        "# tokens/s over steps 2..N; 'exposed' is the share of step time spent waiting for communication after "
+        "backward\n");
+    fmt::print("{:<10} {:>7} {:>7} {:>10} {:>12} {:>9} {:>11} {:>8} {:>9}\n", "mode", "workers", "servers", "tokens/s",
+               "vs 1 process", "step ms", "compute ms", "exposed", "loss");
+  }
+  const auto print_row = [&](const Row& r) {
+    const double ratio = rows.front().tokens_per_second > 0 ? r.tokens_per_second / rows.front().tokens_per_second : 0;
+    if (json) {
+      fmt::print(
+          "{{\"mode\":{},\"workers\":{},\"servers\":{},\"tokens_per_second\":{},\"ratio_to_one_process\":{},"
+          "\"step_ms\":{},\"compute_ms\":{},\"exposed_comm_fraction\":{},\"last_loss\":{}}}\n",
+          JsonQuote(r.mode), r.workers, r.servers, JsonNumber(r.tokens_per_second, 6), JsonNumber(ratio, 4),
+          JsonNumber(r.step_ms, 5), JsonNumber(r.compute_ms, 5), JsonNumber(r.exposed, 4), JsonNumber(r.last_loss, 6));
+    } else {
+      fmt::print("{:<10} {:>7} {:>7} {:>10.0f} {:>11.2f}x {:>9.1f} {:>11.1f} {:>7.1f}% {:>9.4f}\n", r.mode, r.workers,
+                 r.servers, r.tokens_per_second, ratio, r.step_ms, r.compute_ms, r.exposed * 100, r.last_loss);
+    }
+  };
+  print_row(rows.front());
+  for (const std::string& mode : Split(modes)) {
+    if (shutdown.requested()) break;
+    if (!worker::ParseTrainingMode(mode).ok()) {
+      fmt::print(stderr, "tandem bench train: --modes: '{}' is not one of hybrid, allreduce, ps\n", mode);
+      return 2;
+    }
+    ClusterOptions run = o;
+    run.train.mode = mode;
+    auto summary = RunLocalTraining(run, shutdown);
+    if (!summary.ok() || !summary->completed) {
+      fmt::print(stderr, "tandem bench train: {} mode: {}\n", mode,
+                 summary.ok() ? summary->failure : summary.status().ToString());
+      return 1;
+    }
+    Row row;
+    row.mode = mode;
+    row.workers = workers;
+    row.servers = mode == "allreduce" ? 0 : o.servers;
+    row.tokens_per_second = summary->tokens_per_second;
+    row.step_ms = summary->step_seconds_median * 1e3;
+    row.compute_ms = summary->compute_seconds_median * 1e3;
+    row.exposed = summary->exposed_fraction;
+    row.last_loss = summary->last_loss;
+    rows.push_back(row);
+    print_row(row);
+  }
+  return 0;
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,464 @@
+#include "cli/local_cluster.h"
+
+#include <signal.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <yaml-cpp/yaml.h>
+
+#include "cli/commands.h"
+#include "cli/launcher.h"
+#include "cli/node_network.h"
+#include "common/grpc_util.h"
+#include "common/logging.h"
+#include "tandem/v1/server.grpc.pb.h"
+#include "worker/model/model.h"
+
+namespace tandem::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+// One step as global rank 0 reported it.
+struct Record {
+  uint64_t step = 0;
+  uint64_t epoch = 0;
+  double loss = 0;
+  uint64_t tokens = 0;
+  double step_seconds = 0;
+  double compute_seconds = 0;
+  double comm_seconds = 0;
+  double exposed_seconds = 0;
+  uint32_t world_size = 0;
+  double time = 0;
+};
+
+// Reads the lines appended to a progress file since the last call.
+class ProgressReader {
+ public:
+  explicit ProgressReader(std::string path) : path_(std::move(path)) {}
+  void Poll(std::map<uint64_t, Record>* records) {
+    std::ifstream in(path_, std::ios::binary);
+    if (!in) return;
+    in.seekg(static_cast<std::streamoff>(offset_));
+    std::string chunk((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    size_t start = 0;
+    while (true) {
+      const size_t nl = chunk.find('\n', start);
+      if (nl == std::string::npos) break;  // a partial line waits for the next poll
+      Parse(std::string_view(chunk).substr(start, nl - start), records);
+      start = nl + 1;
+    }
+    offset_ += start;
+  }
+
+ private:
+  static void Parse(std::string_view line, std::map<uint64_t, Record>* records) {
+    try {
+      const YAML::Node n = YAML::Load(std::string(line));
+      Record r;
+      r.step = n["step"].as<uint64_t>();
+      r.epoch = n["epoch"].as<uint64_t>();
+      r.loss = n["loss"].IsNull() ? std::nan("") : n["loss"].as<double>();
+      r.tokens = n["tokens"].as<uint64_t>();
+      r.step_seconds = n["step_seconds"].as<double>();
+      r.compute_seconds = n["compute_seconds"].as<double>();
+      r.comm_seconds = n["comm_seconds"].as<double>();
+      r.exposed_seconds = n["exposed_seconds"].as<double>();
+      r.world_size = n["world_size"].as<uint32_t>();
+      r.time = n["time"].as<double>();
+      (*records)[r.step] = r;
+    } catch (const std::exception&) {
+      // Not a step line (a torn write is impossible: lines are flushed whole).
+    }
+  }
+
+  std::string path_;
+  size_t offset_ = 0;
+};
+
+std::string Human(double v) {
+  if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
+  if (v >= 1e3) return fmt::format("{:.1f}k", v / 1e3);
+  return fmt::format("{:.0f}", v);
+}
+
+struct Member {
+  LaunchedDaemon daemon;
+  bool worker = false;
+  bool killed = false;  // by the run, on purpose
+  bool exited = false;
+};
+
+}  // namespace
+
+Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
+  RunSummary summary;
+  summary.mode = o.train.mode;
+  const auto print = [&o](const std::string& text) {
+    if (o.progress) {
+      fmt::print("{}", text);
+      std::fflush(stdout);
+    }
+  };
+  const int64_t workers = o.nodes * o.workers_per_node;
+  if (workers < 1) return InvalidArgument("--nodes and --workers-per-node must give at least one worker");
+  if (o.kill_worker_at > 0 && workers + (o.add_worker_at > 0 ? 1 : 0) < 2) {
+    return InvalidArgument("--kill-worker-at needs at least two workers, so that one survives");
+  }
+  const bool servers_needed = o.train.mode != "allreduce";
+  if (servers_needed && o.servers < 1) {
+    return InvalidArgument("--mode {} needs parameter servers (--servers >= 1); --mode allreduce runs without",
+                           o.train.mode);
+  }
+  const int64_t servers = servers_needed ? o.servers : 0;
+  auto model_config = worker::ModelConfigOf(o.train);
+  if (!model_config.ok()) return model_config.status();
+  TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
+  uint64_t parameters = 0;
+  for (const auto& t : model::TensorLayout(*model_config)) parameters += t.size;
+  if (!o.train.data.empty() && access(o.train.data.c_str(), R_OK) != 0) {
+    return InvalidArgument("--data: cannot read '{}': {}", o.train.data, std::strerror(errno));
+  }
+
+  std::string work_dir = o.work_dir;
+  if (work_dir.empty()) {
+    std::string tmpl = "/tmp/tandem-run-XXXXXX";
+    if (mkdtemp(tmpl.data()) == nullptr) {
+      return Unavailable("cannot create a work directory under /tmp: {}", std::strerror(errno));
+    }
+    work_dir = tmpl;
+  } else {
+    std::error_code ec;
+    std::filesystem::create_directories(work_dir, ec);
+    if (ec) return InvalidArgument("work_dir: cannot create '{}': {}", work_dir, ec.message());
+  }
+  summary.work_dir = work_dir;
+  auto network = NodeNetwork::Create(static_cast<int>(o.nodes), o.network);
+  if (!network.ok()) return network.status();
+  summary.network = (*network)->namespaces() ? "netns" : "loopback";
+
+  const auto t_start = Clock::now();
+  print(
+      fmt::format("Tandem: {} mode, {} node(s) x {} worker(s), {} server(s), {} steps of a {:.2f}M-parameter model "
+                  "({})\n  network: {}\n  logs: {}\n",
+                  o.train.mode, o.nodes, o.workers_per_node, servers, o.train.steps, parameters / 1e6,
+                  o.train.data.empty() ? "built-in corpus" : o.train.data, (*network)->Describe(), work_dir));
+
+  std::vector<Member> members;
+  const auto launch = [&](const std::string& binary, const std::string& name, int node, bool is_worker,
+                          std::vector<std::string> args) -> Status {
+    LaunchSpec spec;
+    spec.binary = o.bin_dir + "/" + binary;
+    spec.name = name;
+    spec.args = std::move(args);
+    spec.args.insert(spec.args.end(), {"--log-level", o.log_level});
+    spec.work_dir = work_dir;
+    spec.startup_timeout = o.startup_timeout;
+    if (node >= 0) {
+      spec.listen_host = (*network)->node_address(node);
+      spec.exec_prefix = (*network)->exec_prefix(node);
+    } else {
+      spec.listen_host = (*network)->host_address();
+    }
+    auto d = Launch(spec);
+    if (!d.ok()) return d.status();
+    Member m;
+    m.daemon = std::move(*d);
+    m.worker = is_worker;
+    members.push_back(std::move(m));
+    return Status::Ok();
+  };
+  const auto stop_all = [&]() {
+    // Workers and servers at once, the coordinator last.
+    for (size_t i = members.size(); i-- > 1;) {
+      if (!members[i].exited) (void)members[i].daemon.process->Signal(SIGTERM);
+    }
+    std::string unclean;
+    for (size_t i = members.size(); i-- > 0;) {
+      auto& m = members[i];
+      if (i == 0) (void)m.daemon.process->Signal(SIGTERM);
+      if (m.exited) continue;
+      auto exit = m.daemon.process->Wait(std::chrono::milliseconds(10000));
+      if (!exit.ok()) {
+        const ExitInfo killed = m.daemon.process->Stop(std::chrono::milliseconds(0));
+        unclean += fmt::format("\n  {} did not stop within 10 s ({}); the end of {}:\n{}", m.daemon.name,
+                               killed.ToString(), m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
+      } else if (!exit->success()) {
+        unclean += fmt::format("\n  {} ended with {}; the end of {}:\n{}", m.daemon.name, exit->ToString(),
+                               m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
+      }
+      m.exited = true;
+    }
+    return unclean;
+  };
+
+  // The coordinator: the whole job in its flags.
+  const int64_t max_workers = workers + (o.add_worker_at > 0 ? 1 : 0);
+  Status status = launch(
+      "tandem-coordinator", "coordinator", -1, false,
+      {"--data-dir", work_dir + "/coordinator-data", "--job-min-workers", std::to_string(workers), "--job-max-workers",
+       std::to_string(max_workers), "--job-min-servers", std::to_string(servers), "--job-last-call-window", "0s",
+       "--job-parameter-count", std::to_string(servers > 0 ? parameters : 0), "--job-partition-size",
+       std::to_string(o.partition_bytes), "--job-heartbeat-interval", "500ms", "--job-heartbeat-deadline", "3s"});
+  const std::string coordinator = status.ok() ? members[0].daemon.ready.grpc_address : "";
+  for (int64_t i = 0; status.ok() && i < servers && !shutdown.requested(); ++i) {
+    const int node = static_cast<int>(i % o.nodes);
+    status = launch("tandem-server", fmt::format("server-{}", i), node, false,
+                    {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node)});
+  }
+  worker::TrainConfig train = o.train;
+  train.progress_file = work_dir + "/progress.jsonl";
+  train.params_out = work_dir + "/params.bin";
+  if (!o.train.data.empty()) train.data = std::filesystem::absolute(o.train.data).string();
+  std::remove(train.progress_file.c_str());
+  std::remove(train.params_out.c_str());
+  int next_worker = 0;
+  const auto launch_worker = [&](int node) {
+    std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node),
+                                     "--data-plane-backend",  o.backend};
+    for (auto& f : worker::TrainFlags(train)) args.push_back(f);
+    return launch("tandem-worker", fmt::format("worker-{}", next_worker++), node, true, std::move(args));
+  };
+  for (int64_t i = 0; status.ok() && i < workers && !shutdown.requested(); ++i) {
+    status = launch_worker(static_cast<int>(i / o.workers_per_node));
+  }
+  if (!status.ok()) {
+    const std::string unclean = stop_all();
+    return status.WithContext(unclean.empty() ? "starting the cluster" : "starting the cluster" + unclean);
+  }
+  print(
+      fmt::format("Started {} processes in {:.1f} s; training ...\n", members.size(), Seconds(Clock::now() - t_start)));
+
+  // Follow the training.
+  ProgressReader reader(train.progress_file);
+  std::map<uint64_t, Record> records;
+  uint64_t shown = 0;
+  bool killed = false;
+  uint64_t killed_at = 0;
+  bool added = false;
+  const bool tty = isatty(STDOUT_FILENO) != 0;
+  std::string line_open;  // the live line is on screen (tty)
+  const auto event = [&](const std::string& text) {
+    if (!line_open.empty()) print("\n");
+    line_open.clear();
+    print(text + "\n");
+  };
+  const auto steps = static_cast<uint64_t>(o.train.steps);
+  std::optional<Clock::time_point> done_since;
+  while (true) {
+    if (shutdown.requested()) {
+      summary.interrupted = true;
+      summary.failure = "interrupted";
+      event("Interrupted: stopping the cluster ...");
+      break;
+    }
+    if (o.timeout.count() > 0 && Clock::now() - t_start > o.timeout) {
+      summary.failure = fmt::format("the run did not finish within {:.0f} s", Seconds(o.timeout));
+      event(summary.failure);
+      break;
+    }
+    // A process that ended on its own is a failure of the run.
+    for (auto& m : members) {
+      if (m.exited || m.killed) continue;
+      if (!m.daemon.process->Running()) {
+        m.exited = true;
+        auto exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
+        summary.failure =
+            fmt::format("{} ended ({}); the end of {}:\n{}", m.daemon.name, exit.ok() ? exit->ToString() : "ended",
+                        m.daemon.log_file, TailOfFile(m.daemon.log_file, 15));
+      }
+    }
+    if (!summary.failure.empty()) {
+      event("Failed: " + summary.failure);
+      break;
+    }
+    reader.Poll(&records);
+    const uint64_t last = records.empty() ? 0 : records.rbegin()->first;
+    if (last > shown) {
+      shown = last;
+      const Record& r = records.rbegin()->second;
+      const std::string text = fmt::format(
+          "step {:>{}}/{}  loss {:.4f}  tokens/s {:>6}  step {:6.1f} ms  comm {:6.1f} ms (exposed {:5.1f} ms)  "
+          "epoch {}  workers {}",
+          r.step, std::to_string(steps).size(), steps, r.loss,
+          Human(r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0), r.step_seconds * 1e3,
+          r.comm_seconds * 1e3, r.exposed_seconds * 1e3, r.epoch, r.world_size);
+      if (tty) {
+        print("\r" + text + "\033[K");
+        line_open = text;
+      } else if (r.step == 1 || r.step == steps || r.step % std::max<uint64_t>(1, steps / 20) == 0 ||
+                 (records.size() >= 2 && std::prev(records.end(), 2)->second.epoch != r.epoch)) {
+        print(text + "\n");
+      }
+    }
+    if (o.kill_worker_at > 0 && !killed && last >= static_cast<uint64_t>(o.kill_worker_at)) {
+      killed = true;
+      killed_at = last;
+      for (size_t i = members.size(); i-- > 0;) {
+        if (!members[i].worker || members[i].exited) continue;
+        (void)members[i].daemon.process->Signal(SIGKILL);
+        (void)members[i].daemon.process->Wait(std::chrono::milliseconds(5000));
+        members[i].killed = true;
+        members[i].exited = true;
+        ++summary.faults;
+        event(fmt::format("step {}: killed {} (pid {}) with SIGKILL; the survivors go on in a new epoch", last,
+                          members[i].daemon.name, members[i].daemon.ready.pid));
+        break;
+      }
+    }
+    // A worker is added only once the survivors of a kill have trained a
+    // step, so the two membership changes stay apart.
+    if (o.add_worker_at > 0 && !added && last >= static_cast<uint64_t>(o.add_worker_at) &&
+        (o.kill_worker_at == 0 || (killed && last > killed_at))) {
+      added = true;
+      const int node = static_cast<int>(o.nodes - 1);
+      Status s = launch_worker(node);
+      if (!s.ok()) {
+        summary.failure = "starting the added worker: " + s.message();
+        event("Failed: " + summary.failure);
+        break;
+      }
+      ++summary.workers_added;
+      event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members.back().daemon.name,
+                        node));
+    }
+    if (last >= steps) {
+      // Rank 0 writes the final parameters right after its last step.
+      if (!done_since) done_since = Clock::now();
+      if (access(train.params_out.c_str(), R_OK) == 0 || Clock::now() - *done_since > std::chrono::seconds(5)) {
+        summary.completed = true;
+        break;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (!line_open.empty()) print("\n");
+  if (o.hold && summary.completed) {
+    print(fmt::format("Training done; holding the cluster up (--hold): coordinator at {}. Press Ctrl-C to stop it.\n",
+                      coordinator));
+    shutdown.Wait();
+  }
+
+  // The servers' own count of updates, before they stop.
+  if (servers > 0) {
+    std::set<uint64_t> applied;
+    std::string detail;
+    for (const auto& m : members) {
+      if (m.daemon.ready.role != "server" || m.exited) continue;
+      auto channel = MakeChannel(m.daemon.ready.grpc_address, TlsConfig{});
+      if (!channel.ok()) continue;
+      auto stub = v1::ParameterServer::NewStub(*channel);
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+      v1::GetStatsRequest request;
+      request.set_job_id("default");
+      v1::GetStatsResponse response;
+      const grpc::Status s = stub->GetStats(&ctx, request, &response);
+      if (!s.ok()) {
+        detail += fmt::format("{}: {}; ", m.daemon.name, s.error_message());
+        continue;
+      }
+      for (const auto& p : response.partitions()) {
+        if (p.role() != v1::REPLICA_ROLE_PRIMARY || p.version() == 0) continue;
+        applied.insert(p.version() - 1);
+        detail += fmt::format("{} partition {}: {} updates; ", m.daemon.name, p.partition_id(), p.version() - 1);
+      }
+    }
+    if (applied.size() == 1) {
+      summary.server_steps_applied = *applied.begin();
+    } else {
+      summary.server_steps_detail = detail.empty() ? "no server answered" : detail;
+    }
+  }
+  print(fmt::format("Stopping {} processes ...\n", members.size()));
+  const std::string unclean = stop_all();
+  if (!unclean.empty()) {
+    if (summary.failure.empty()) summary.failure = "a process did not stop cleanly";
+    summary.completed = false;
+    print("Some processes did not stop cleanly:" + unclean + "\n");
+  }
+  network->reset();
+
+  // The summary.
+  summary.elapsed_seconds = Seconds(Clock::now() - t_start);
+  summary.steps = records.empty() ? 0 : records.rbegin()->first;
+  std::set<uint64_t> epochs;
+  std::vector<double> step_s, compute_s;
+  double tokens = 0, span_steps = 0, exposed = 0;
+  const Record* previous = nullptr;
+  for (const auto& [step, r] : records) {
+    summary.losses.push_back(r.loss);
+    epochs.insert(r.epoch);
+    if (step >= 2) {
+      step_s.push_back(r.step_seconds);
+      compute_s.push_back(r.compute_seconds);
+      exposed += r.exposed_seconds;
+      span_steps += r.step_seconds;
+      tokens += static_cast<double>(r.tokens);
+    }
+    previous = &r;
+  }
+  for (const auto& [step, r] : records) {
+    if (std::isfinite(r.loss)) {
+      summary.first_loss = r.loss;
+      break;
+    }
+  }
+  for (auto it = records.rbegin(); it != records.rend(); ++it) {
+    if (std::isfinite(it->second.loss)) {
+      summary.last_loss = it->second.loss;
+      break;
+    }
+  }
+  if (!records.empty()) {
+    summary.world_size = records.rbegin()->second.world_size;
+    // Throughput over wall time between the end of step 1 and the last step:
+    // retries and resynchronisations count against it.
+    const auto first = records.find(1);
+    const double wall = first != records.end() ? previous->time - first->second.time : 0;
+    if (wall > 0) summary.tokens_per_second = tokens / wall;
+  }
+  summary.epochs = epochs.size();
+  summary.step_seconds_median = Median(step_s);
+  summary.compute_seconds_median = Median(compute_s);
+  summary.exposed_fraction = span_steps > 0 ? exposed / span_steps : 0;
+  if (summary.completed && summary.steps < steps) {
+    summary.completed = false;
+    summary.failure = fmt::format("only {} of {} steps were reported", summary.steps, steps);
+  }
+  return summary;
+}
+
+std::string SummaryJson(const RunSummary& s) {
+  std::string losses;
+  for (size_t i = 0; i < s.losses.size(); ++i) {
+    losses += (i ? "," : "") + (std::isfinite(s.losses[i]) ? fmt::format("{:.6f}", s.losses[i]) : std::string("null"));
+  }
+  return fmt::format(
+      "{{\n  \"completed\": {},\n  \"steps\": {},\n  \"first_loss\": {},\n  \"last_loss\": {},\n"
+      "  \"tokens_per_second\": {},\n  \"mode\": {},\n  \"world_size\": {},\n  \"epochs\": {},\n  \"faults\": {},\n"
+      "  \"workers_added\": {},\n  \"server_steps_applied\": {},\n  \"step_seconds_median\": {},\n"
+      "  \"compute_seconds_median\": {},\n  \"exposed_comm_fraction\": {},\n  \"network\": {},\n"
+      "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"losses\": [{}]\n}}\n",
+      s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
+      JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
+      s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
+      JsonNumber(s.compute_seconds_median, 6), JsonNumber(s.exposed_fraction, 4), JsonQuote(s.network),
+      JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
+      losses);
+}
+
+}  // namespace tandem::cli

@@ -1,0 +1,82 @@
+// A whole Tandem training job on this machine: what `tandem run` and
+// `tandem bench train` start.
+//
+// RunLocalTraining starts a coordinator, the parameter servers and the
+// workers over K simulated nodes (network namespaces joined by a bridge when
+// run as root, loopback otherwise: cli/node_network.h), has the workers train
+// the reference model, follows their progress (the JSON lines global rank 0
+// appends, one per step), injects the faults asked for (SIGKILL a worker at a
+// step, start one more at a step), and stops everything with SIGTERM once
+// the last step is done, on Ctrl-C, or when a process fails. It then asks
+// every server how many updates it applied.
+//
+// Thread safety: one run at a time per process.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/shutdown.h"
+#include "common/status.h"
+#include "worker/runtime/trainer.h"
+
+namespace tandem::cli {
+
+struct ClusterOptions {
+  int64_t nodes = 2;
+  int64_t workers_per_node = 1;
+  int64_t servers = 1;
+  worker::TrainConfig train;             // steps, mode, data, seed, model, optimizer, ...
+  uint64_t partition_bytes = 256 << 10;  // the servers' partition size
+  int64_t kill_worker_at = 0;            // SIGKILL one worker once this step is done (0: never)
+  int64_t add_worker_at = 0;             // start one more worker once this step is done (0: never)
+  std::string network = "auto";          // auto | netns | loopback
+  std::string backend = "auto";          // the workers' data_plane.backend
+  std::string bin_dir;
+  std::string work_dir;  // empty: a new /tmp/tandem-run-*
+  std::string log_level = "info";
+  std::chrono::milliseconds startup_timeout{30000};
+  std::chrono::milliseconds timeout{0};  // the whole run (0: none)
+  bool progress = true;                  // print the live progress line and events
+  bool hold = false;                     // after the last step, keep the cluster up until Ctrl-C / SIGTERM
+};
+
+struct RunSummary {
+  bool completed = false;    // every step done
+  bool interrupted = false;  // Ctrl-C / SIGTERM
+  std::string failure;       // what went wrong, when not completed
+  uint64_t steps = 0;        // steps completed
+  double first_loss = 0;
+  double last_loss = 0;
+  std::vector<double> losses;    // by step, from step 1
+  double tokens_per_second = 0;  // over steps 2..N (step 1 includes start-up)
+  double step_seconds_median = 0;
+  double compute_seconds_median = 0;
+  double exposed_fraction = 0;  // sum of exposed communication / sum of step time, steps 2..N
+  std::string mode;
+  uint32_t world_size = 0;  // workers in the last step's epoch
+  uint64_t epochs = 0;      // distinct membership epochs that trained steps
+  uint64_t faults = 0;      // faults injected (workers killed)
+  uint64_t workers_added = 0;
+  std::optional<uint64_t> server_steps_applied;  // updates applied, when every server agrees
+  std::string server_steps_detail;               // per server, when they disagree or could not be asked
+  std::string network;                           // "netns" or "loopback"
+  double elapsed_seconds = 0;
+  std::string work_dir;
+};
+
+// Runs the job; `shutdown` stops it early (the summary says interrupted).
+// Errors are for runs that could not start (bad options, a process that
+// would not come up); a run that fails midway returns a summary with
+// `failure` set.
+Result<RunSummary> RunLocalTraining(const ClusterOptions& options, ShutdownSignal& shutdown);
+
+// The summary as a JSON object (the keys `tandem run --summary` documents).
+std::string SummaryJson(const RunSummary& summary);
+
+}  // namespace tandem::cli

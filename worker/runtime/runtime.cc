@@ -1,0 +1,591 @@
+#include "worker/runtime/runtime.h"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "common/optimizer/gradient.h"
+
+namespace tandem::worker {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+}  // namespace
+
+std::string_view ModeName(TrainingMode mode) {
+  switch (mode) {
+    case TrainingMode::kHybrid:
+      return "hybrid";
+    case TrainingMode::kAllReduce:
+      return "allreduce";
+    case TrainingMode::kPs:
+      return "ps";
+  }
+  return "hybrid";
+}
+
+Result<TrainingMode> ParseTrainingMode(std::string_view name) {
+  if (name == "hybrid") return TrainingMode::kHybrid;
+  if (name == "allreduce") return TrainingMode::kAllReduce;
+  if (name == "ps") return TrainingMode::kPs;
+  return InvalidArgument("training mode '{}' is not one of hybrid, allreduce, ps", name);
+}
+
+Result<std::unique_ptr<LocalOptimizer>> LocalOptimizer::Create(const v1::OptimizerConfig& config, size_t parameters) {
+  auto optimizer = optim::Optimizer::Create(config);
+  if (!optimizer.ok()) return optimizer.status();
+  std::unique_ptr<LocalOptimizer> local(new LocalOptimizer(std::move(*optimizer)));
+  if (local->optimizer_.state_buffers() >= 1) local->state0_.assign(parameters, 0.0f);
+  if (local->optimizer_.state_buffers() >= 2) local->state1_.assign(parameters, 0.0f);
+  return local;
+}
+
+Status LocalOptimizer::Step(std::span<float> params, std::span<const float> grads,
+                            const std::vector<v1::TensorSpec>& tensors, bool* skipped) {
+  *skipped = false;
+  const optim::GradScan scan = optim::ScanGradient(grads.data(), grads.size());
+  if (!scan.finite || !std::isfinite(scan.sum_squares)) {
+    if (optimizer_.non_finite_policy() == v1::NON_FINITE_POLICY_FAIL) {
+      return InvalidArgument("update {}: the gradient holds NaN or Inf (non_finite_policy FAIL)", updates_ + 1);
+    }
+    spdlog::warn("update {}: the gradient holds NaN or Inf; the update is skipped (non_finite_policy SKIP_STEP)",
+                 updates_ + 1);
+    *skipped = true;
+    return Status::Ok();
+  }
+  // The servers' decision, with SUM reduction (divisor 1).
+  double coef = 1.0;
+  const double norm = std::sqrt(scan.sum_squares);
+  if (optimizer_.max_grad_norm() > 0 && norm > optimizer_.max_grad_norm()) {
+    coef = optimizer_.max_grad_norm() / (norm + 1e-6);
+  }
+  for (const auto& t : tensors) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+    const size_t o = t.flat_offset();
+    optimizer_.Apply(params.data() + o, state0_.empty() ? nullptr : state0_.data() + o,
+                     state1_.empty() ? nullptr : state1_.data() + o, grads.data() + o, n, updates_,
+                     optimizer_.Group(t.group()), coef);
+  }
+  ++updates_;
+  return Status::Ok();
+}
+
+// One bucket: a range of the flat buffer whose gradients travel together.
+struct Runtime::Bucket {
+  size_t begin = 0;
+  size_t end = 0;
+  // Server modes: the partitions this worker pushes and pulls, each with
+  // where its reduced gradient comes from and where its parameters go.
+  struct Owned {
+    uint32_t partition = 0;
+    const float* grad = nullptr;
+    float* param = nullptr;
+    size_t count = 0;
+    size_t wire_offset = 0;  // elements into wire_out / wire_in
+  };
+  std::vector<Owned> owned;
+  // Hybrid with L > 1 local ranks: partition k of the bucket belongs to local
+  // rank k % L, at slot[k] in that rank's block of `block` elements.
+  std::vector<uint32_t> partitions;
+  std::vector<std::pair<size_t, size_t>> ranges;
+  std::vector<size_t> slot;
+  size_t block = 0;
+  std::vector<float> staging;  // L blocks: reduce-scatter input, all-gather output
+  std::vector<float> mine;     // this rank's block: the node's sum of its partitions
+  std::vector<float> pulled;   // this rank's block: its partitions' new parameters
+  std::vector<uint16_t> wire_out;
+  std::vector<uint16_t> wire_in;
+  std::vector<std::shared_ptr<PsOp>> pushes;
+  std::vector<std::shared_ptr<PsOp>> pulls;
+};
+
+Runtime::Runtime(RuntimeOptions options, DataPlane& plane) : options_(std::move(options)), plane_(plane) {
+  options_.optimizer.set_reduction(v1::GRADIENT_REDUCTION_SUM);
+  comm_thread_ = std::thread([this] { CommLoop(); });
+}
+
+Runtime::~Runtime() {
+  Stop();
+  {
+    std::lock_guard lock(mu_);
+    quit_ = true;
+    cv_.notify_all();
+  }
+  comm_thread_.join();
+}
+
+void Runtime::Stop() {
+  stopped_ = true;
+  std::lock_guard lock(mu_);
+  cv_.notify_all();
+}
+
+Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors) {
+  if (params.size() != grads.size()) {
+    return InvalidArgument("parameters ({} elements) and gradients ({} elements) differ in size", params.size(),
+                           grads.size());
+  }
+  if (params.empty()) return InvalidArgument("the model has no parameters");
+  uint64_t covered = 0;
+  for (const auto& t : tensors) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+    if (t.flat_offset() != covered) {
+      return InvalidArgument("tensor '{}' starts at element {}, but the tensors before it end at {}", t.name(),
+                             t.flat_offset(), covered);
+    }
+    covered += n;
+  }
+  if (covered != params.size()) {
+    return InvalidArgument("the tensor table covers {} elements, but the parameters have {}", covered, params.size());
+  }
+  if (options_.gradient_wire != v1::WIRE_DTYPE_FP32 && options_.gradient_wire != v1::WIRE_DTYPE_BF16) {
+    return InvalidArgument("gradient wire type must be fp32 or bf16");
+  }
+  if (options_.parameter_wire != v1::WIRE_DTYPE_FP32 && options_.parameter_wire != v1::WIRE_DTYPE_BF16) {
+    return InvalidArgument("parameter wire type must be fp32 or bf16");
+  }
+  auto local = LocalOptimizer::Create(options_.optimizer, params.size());
+  if (!local.ok()) return local.status().WithContext("optimizer");
+  if (options_.mode == TrainingMode::kAllReduce) local_ = std::move(*local);
+  params_ = params;
+  grads_ = grads;
+  tensors_ = std::move(tensors);
+  return Status::Ok();
+}
+
+bool Runtime::Fatal(const Status& status) const {
+  switch (status.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kUnauthenticated:
+    case StatusCode::kUnimplemented:
+    case StatusCode::kOutOfRange:
+      return true;
+    default:
+      return stopped_;
+  }
+}
+
+Result<StepPlan> Runtime::BeginStep() {
+  if (params_.empty()) return FailedPrecondition("BeginStep before Attach");
+  if (in_step_) return FailedPrecondition("BeginStep while step {} is not ended (call EndStep first)", step_);
+  bool resynced = false;
+  while (true) {
+    if (stopped_ || plane_.stopping()) return Cancelled("the worker is stopping");
+    std::shared_ptr<const DataPlane::EpochView> view = plane_.built();
+    if (!view || view->epoch.epoch() <= failed_epoch_) {
+      const auto waited_from = Clock::now();
+      view = plane_.WaitNewer(failed_epoch_, options_.epoch_wait);
+      if (!view) {
+        if (stopped_ || plane_.stopping()) return Cancelled("the worker is stopping");
+        if (failed_epoch_ == 0) {
+          return DeadlineExceeded("no membership epoch within {:.0f} s: is the coordinator forming the job?",
+                                  Seconds(Clock::now() - waited_from));
+        }
+        return DeadlineExceeded("step {} failed in epoch {} ({}), and no new epoch came within {:.0f} s",
+                                completed_ + 1, failed_epoch_, last_failure_.ToString(),
+                                Seconds(Clock::now() - waited_from));
+      }
+    }
+    if (view->epoch.epoch() != synced_epoch_) {
+      Status s = Resync(*view);
+      if (!s.ok()) {
+        if (Fatal(s)) return s.WithContext(fmt::format("joining epoch {}", view->epoch.epoch()));
+        spdlog::warn("epoch {}: resynchronising failed, waiting for the next epoch: {}", view->epoch.epoch(),
+                     s.ToString());
+        failed_epoch_ = view->epoch.epoch();
+        last_failure_ = s;
+        continue;
+      }
+      resynced = true;
+    }
+    break;
+  }
+  in_step_ = true;
+  step_ = completed_ + 1;
+  next_bucket_ = 0;
+  for (auto& b : buckets_) {
+    b->pushes.clear();
+    b->pulls.clear();
+  }
+  StepPlan plan;
+  plan.step = step_;
+  plan.epoch = synced_epoch_;
+  plan.rank = view_->rank.global_rank();
+  plan.world_size = view_->rank.world_size();
+  plan.dp_rank = view_->rank.mesh().dp();
+  plan.dp_size = std::max<uint32_t>(1, view_->epoch.mesh().dp());
+  plan.resynced = resynced;
+  return plan;
+}
+
+Status Runtime::Resync(const DataPlane::EpochView& view) {
+  const uint64_t epoch = view.epoch.epoch();
+  auto& manager = plane_.manager();
+  world_ = manager.Get("world");
+  node_ = manager.Get("node");
+  if (!world_ || !node_) {
+    return FailedPrecondition("epoch {} has no communicators (is data_plane.backend off?)", epoch);
+  }
+  if (world_->epoch() != epoch) return Aborted("epoch {} was superseded while joining it", epoch);
+  if (view.epoch.mesh().tp() > 1 || view.epoch.mesh().pp() > 1) {
+    return InvalidArgument("the data-parallel runtime needs tp = pp = 1, but epoch {} has a {}x{}x{} mesh", epoch,
+                           view.epoch.mesh().dp(), view.epoch.mesh().tp(), view.epoch.mesh().pp());
+  }
+  view_ = std::make_shared<DataPlane::EpochView>(view);
+  TANDEM_RETURN_IF_ERROR(PlanBuckets(view));
+  const uint64_t before = completed_;
+  TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce(view) : ResyncFromServers(view));
+  synced_epoch_ = epoch;
+  spdlog::info("epoch {}: rank {} of {} (node {} of {}), {} mode, {} buckets; resuming after step {}{}", epoch,
+               view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
+               ModeName(options_.mode), buckets_.size(), completed_,
+               completed_ != before ? fmt::format(" (this worker had completed {})", before) : "");
+  plane_.ReportStep(completed_);
+  return Status::Ok();
+}
+
+Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
+  buckets_.clear();
+  const size_t n = params_.size();
+  const size_t per_bucket = std::max<size_t>(1, options_.bucket_bytes / sizeof(float));
+  if (options_.mode == TrainingMode::kAllReduce) {
+    for (size_t end = n; end > 0;) {
+      auto b = std::make_unique<Bucket>();
+      b->end = end;
+      b->begin = end > per_bucket ? end - per_bucket : 0;
+      if (options_.gradient_wire == v1::WIRE_DTYPE_BF16) b->wire_out.resize(b->end - b->begin);
+      end = b->begin;
+      buckets_.push_back(std::move(b));
+    }
+    return Status::Ok();
+  }
+  const auto& map = view.epoch.shard_map();
+  if (view.epoch.server_count() == 0 || map.partitions_size() == 0) {
+    return FailedPrecondition(
+        "{} mode needs parameter servers, but epoch {} has none (start servers and give the coordinator "
+        "job.parameter_count)",
+        ModeName(options_.mode), view.epoch.epoch());
+  }
+  if (map.parameter_count() != n) {
+    return InvalidArgument(
+        "the shard map covers {} parameters, but the model has {} (set the coordinator's "
+        "job.parameter_count to {})",
+        map.parameter_count(), n, n);
+  }
+  const bool hybrid = options_.mode == TrainingMode::kHybrid;
+  const int local = hybrid ? node_->size() : 1;
+  const int me = hybrid ? node_->rank() : 0;
+  const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
+  const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
+  // Partitions from the last to the first, grouped into buckets.
+  int last = map.partitions_size() - 1;
+  while (last >= 0) {
+    auto b = std::make_unique<Bucket>();
+    int first = last;
+    size_t elements = map.partitions(last).range().end() - map.partitions(last).range().begin();
+    while (first > 0 && elements < per_bucket) {
+      --first;
+      elements += map.partitions(first).range().end() - map.partitions(first).range().begin();
+    }
+    b->begin = map.partitions(first).range().begin();
+    b->end = map.partitions(last).range().end();
+    for (int p = first; p <= last; ++p) {
+      b->partitions.push_back(map.partitions(p).id());
+      b->ranges.emplace_back(map.partitions(p).range().begin(), map.partitions(p).range().end());
+    }
+    // Slots in each local rank's block.
+    std::vector<size_t> fill(local, 0);
+    for (size_t k = 0; k < b->partitions.size(); ++k) {
+      const int owner = static_cast<int>(k % local);
+      b->slot.push_back(fill[owner]);
+      fill[owner] += b->ranges[k].second - b->ranges[k].first;
+    }
+    b->block = *std::max_element(fill.begin(), fill.end());
+    const bool packed = local > 1;
+    if (packed) {
+      b->staging.assign(b->block * local, 0.0f);
+      b->mine.assign(b->block, 0.0f);
+      b->pulled.assign(b->block, 0.0f);
+    }
+    size_t wire = 0;
+    for (size_t k = 0; k < b->partitions.size(); ++k) {
+      if (static_cast<int>(k % local) != me) continue;
+      Bucket::Owned o;
+      o.partition = b->partitions[k];
+      o.count = b->ranges[k].second - b->ranges[k].first;
+      o.grad = packed ? b->mine.data() + b->slot[k] : grads_.data() + b->ranges[k].first;
+      o.param = packed ? b->pulled.data() + b->slot[k] : params_.data() + b->ranges[k].first;
+      o.wire_offset = wire;
+      wire += o.count;
+      b->owned.push_back(o);
+    }
+    if (bf16_out) b->wire_out.resize(wire);
+    if (bf16_in) b->wire_in.resize(wire);
+    buckets_.push_back(std::move(b));
+    last = first - 1;
+  }
+  return Status::Ok();
+}
+
+Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
+  PsClient* ps = plane_.ps_client();
+  if (ps == nullptr || ps->epoch() != view.epoch.epoch()) {
+    return Aborted("epoch {} was superseded while joining its parameter-server group", view.epoch.epoch());
+  }
+  if (!servers_initialized_) {
+    google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(tensors_.begin(), tensors_.end());
+    v1::ConsistencyConfig consistency;
+    consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
+    auto initialized = ps->Initialize(tensors, options_.optimizer, consistency, params_.data());
+    if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
+    if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
+    servers_initialized_ = true;
+  }
+  // Every partition as the servers hold it now, then agree on the last step
+  // they applied: a step decided before the membership change is complete
+  // even where its pull was cut off.
+  const auto& map = view.epoch.shard_map();
+  const auto pull_all = [&](uint64_t step, const std::vector<bool>* only) -> Result<std::vector<uint64_t>> {
+    std::vector<std::shared_ptr<PsOp>> ops(map.partitions_size());
+    for (int p = 0; p < map.partitions_size(); ++p) {
+      if (only != nullptr && !(*only)[p]) continue;
+      const auto& r = map.partitions(p).range();
+      ops[p] = ps->Pull(map.partitions(p).id(), step, v1::WIRE_DTYPE_FP32, params_.data() + r.begin(),
+                        (r.end() - r.begin()) * sizeof(float));
+    }
+    std::vector<uint64_t> steps(map.partitions_size(), 0);
+    for (int p = 0; p < map.partitions_size(); ++p) {
+      if (!ops[p]) continue;
+      TANDEM_RETURN_IF_ERROR(
+          ops[p]
+              ->Wait(options_.timeout)
+              .WithContext(fmt::format("pulling partition {} from the parameter servers", map.partitions(p).id())));
+      steps[p] = ops[p]->reply().step;
+    }
+    return steps;
+  };
+  auto steps = pull_all(0, nullptr);
+  if (!steps.ok()) return steps.status();
+  int64_t mine = static_cast<int64_t>(*std::max_element(steps->begin(), steps->end()));
+  int64_t agreed = 0;
+  TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                             .WithContext("agreeing on the servers' last step"));
+  std::vector<bool> behind(map.partitions_size(), false);
+  bool any = false;
+  for (size_t p = 0; p < steps->size(); ++p) {
+    behind[p] = (*steps)[p] < static_cast<uint64_t>(agreed);
+    any = any || behind[p];
+  }
+  if (any) {
+    auto again = pull_all(static_cast<uint64_t>(agreed), &behind);
+    if (!again.ok()) return again.status();
+  }
+  completed_ = static_cast<uint64_t>(agreed);
+  return Status::Ok();
+}
+
+Status Runtime::ResyncAllReduce(const DataPlane::EpochView& view) {
+  (void)view;
+  int64_t mine = static_cast<int64_t>(completed_);
+  int64_t agreed = 0;
+  TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                             .WithContext("agreeing on the last completed step"));
+  int64_t candidate = mine == agreed ? world_->rank() : INT64_MAX;
+  int64_t root = 0;
+  TANDEM_RETURN_IF_ERROR(world_->AllReduce(&candidate, &root, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
+                             .WithContext("choosing the rank that broadcasts the parameters"));
+  const int r = static_cast<int>(root);
+  TANDEM_RETURN_IF_ERROR(world_->Broadcast(params_.data(), params_.size(), comm::DType::kFloat32, r)
+                             .WithContext("broadcasting the parameters"));
+  for (auto* state : {&local_->state0(), &local_->state1()}) {
+    if (state->empty()) continue;
+    TANDEM_RETURN_IF_ERROR(world_->Broadcast(state->data(), state->size(), comm::DType::kFloat32, r)
+                               .WithContext("broadcasting the optimizer state"));
+  }
+  int64_t updates = static_cast<int64_t>(local_->updates());
+  TANDEM_RETURN_IF_ERROR(
+      world_->Broadcast(&updates, 1, comm::DType::kInt64, r).WithContext("broadcasting the optimizer's update count"));
+  local_->set_updates(static_cast<uint64_t>(updates));
+  completed_ = static_cast<uint64_t>(agreed);
+  return Status::Ok();
+}
+
+void Runtime::GradientsReady(size_t ready_from) {
+  if (!in_step_) return;
+  while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->begin >= ready_from) {
+    Bucket* b = buckets_[next_bucket_++].get();
+    Enqueue([this, b] { return RunBucket(*b); });
+  }
+}
+
+Status Runtime::RunBucket(Bucket& b) {
+  const size_t count = b.end - b.begin;
+  if (options_.mode == TrainingMode::kAllReduce) {
+    float* g = grads_.data() + b.begin;
+    if (options_.gradient_wire == v1::WIRE_DTYPE_BF16) {
+      optim::EncodeWire(b.wire_out.data(), g, v1::WIRE_DTYPE_BF16, count);
+      TANDEM_RETURN_IF_ERROR(
+          world_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum));
+      optim::AccumulateWire(g, b.wire_out.data(), v1::WIRE_DTYPE_BF16, count, /*overwrite=*/true);
+      return Status::Ok();
+    }
+    return world_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  }
+  const bool hybrid = options_.mode == TrainingMode::kHybrid;
+  const int local = hybrid ? node_->size() : 1;
+  if (local > 1) {
+    // Pack: local rank j's partitions side by side in block j.
+    for (size_t k = 0; k < b.partitions.size(); ++k) {
+      const size_t owner = k % static_cast<size_t>(local);
+      std::memcpy(b.staging.data() + owner * b.block + b.slot[k], grads_.data() + b.ranges[k].first,
+                  (b.ranges[k].second - b.ranges[k].first) * sizeof(float));
+    }
+    TANDEM_RETURN_IF_ERROR(
+        node_->ReduceScatter(b.staging.data(), b.mine.data(), b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
+  }
+  PsClient* ps = plane_.ps_client();
+  const uint32_t contributor = hybrid ? view_->rank.node_rank() : view_->rank.global_rank();
+  const uint32_t contributors = hybrid ? view_->rank.node_count() : view_->rank.world_size();
+  const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
+  const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
+  for (const auto& o : b.owned) {
+    const void* src = o.grad;
+    size_t bytes = o.count * sizeof(float);
+    if (bf16_out) {
+      optim::EncodeWire(b.wire_out.data() + o.wire_offset, o.grad, v1::WIRE_DTYPE_BF16, o.count);
+      src = b.wire_out.data() + o.wire_offset;
+      bytes = o.count * sizeof(uint16_t);
+    }
+    b.pushes.push_back(ps->Push(o.partition, step_, contributor, contributors, options_.gradient_wire, src, bytes));
+    // The pull is answered once every server applied the step, which needs
+    // every contribution of every partition: never before this worker's
+    // backward is over, so it may land in the parameters directly.
+    if (bf16_in) {
+      b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_BF16, b.wire_in.data() + o.wire_offset,
+                                 o.count * sizeof(uint16_t)));
+    } else {
+      b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_FP32, o.param, o.count * sizeof(float)));
+    }
+  }
+  return Status::Ok();
+}
+
+Status Runtime::FinishOnCommThread() {
+  if (options_.mode != TrainingMode::kAllReduce) {
+    const bool hybrid = options_.mode == TrainingMode::kHybrid;
+    const int local = hybrid ? node_->size() : 1;
+    for (auto& bp : buckets_) {
+      Bucket& b = *bp;
+      for (size_t i = 0; i < b.owned.size(); ++i) {
+        TANDEM_RETURN_IF_ERROR(
+            b.pushes[i]
+                ->Wait(options_.timeout)
+                .WithContext(fmt::format("step {}: pushing partition {}", step_, b.owned[i].partition)));
+      }
+      for (size_t i = 0; i < b.owned.size(); ++i) {
+        const auto& o = b.owned[i];
+        TANDEM_RETURN_IF_ERROR(b.pulls[i]
+                                   ->Wait(options_.timeout)
+                                   .WithContext(fmt::format("step {}: pulling partition {}", step_, o.partition)));
+        if (options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
+          optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
+        }
+      }
+      if (local > 1) {
+        TANDEM_RETURN_IF_ERROR(node_->AllGather(b.pulled.data(), b.staging.data(), b.block, comm::DType::kFloat32));
+        for (size_t k = 0; k < b.partitions.size(); ++k) {
+          const size_t owner = k % static_cast<size_t>(local);
+          std::memcpy(params_.data() + b.ranges[k].first, b.staging.data() + owner * b.block + b.slot[k],
+                      (b.ranges[k].second - b.ranges[k].first) * sizeof(float));
+        }
+      }
+    }
+  }
+  return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
+}
+
+Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
+  if (!in_step_) return FailedPrecondition("EndStep without BeginStep");
+  GradientsReady(0);
+  loss_in_[0] = static_cast<float>(loss_share);
+  loss_in_[1] = static_cast<float>(samples);
+  loss_in_[2] = static_cast<float>(tokens);
+  Enqueue([this] { return FinishOnCommThread(); });
+  const auto waited = Clock::now();
+  Status status;
+  double busy = 0;
+  {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
+    status = step_status_;
+    busy = comm_busy_;
+    step_status_ = Status::Ok();
+    comm_busy_ = 0;
+  }
+  in_step_ = false;
+  StepResult result;
+  result.step = step_;
+  result.epoch = synced_epoch_;
+  result.exposed_seconds = Seconds(Clock::now() - waited);
+  result.comm_seconds = busy;
+  if (!status.ok()) {
+    failed_epoch_ = synced_epoch_;
+    last_failure_ = status;
+    synced_epoch_ = 0;  // the next step resynchronises
+    return status;
+  }
+  if (options_.mode == TrainingMode::kAllReduce) {
+    const auto t0 = Clock::now();
+    Status applied = local_->Step(params_, grads_, tensors_, &result.skipped);
+    result.optimizer_seconds = Seconds(Clock::now() - t0);
+    if (!applied.ok()) return applied;
+  }
+  result.loss = loss_out_[0];
+  result.samples = static_cast<uint64_t>(loss_out_[1]);
+  result.tokens = static_cast<uint64_t>(loss_out_[2]);
+  completed_ = step_;
+  plane_.ReportStep(completed_);
+  return result;
+}
+
+void Runtime::Enqueue(std::function<Status()> task) {
+  std::lock_guard lock(mu_);
+  queue_.push_back(std::move(task));
+  cv_.notify_all();
+}
+
+void Runtime::CommLoop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return quit_ || !queue_.empty(); });
+    if (queue_.empty()) return;
+    auto task = std::move(queue_.front());
+    queue_.pop_front();
+    ++running_;
+    const bool failed = !step_status_.ok();
+    lock.unlock();
+    Status s;
+    const auto t0 = Clock::now();
+    if (!failed) s = task();
+    const double dt = Seconds(Clock::now() - t0);
+    lock.lock();
+    comm_busy_ += dt;
+    if (!s.ok() && step_status_.ok()) step_status_ = std::move(s);
+    --running_;
+    cv_.notify_all();
+  }
+}
+
+}  // namespace tandem::worker

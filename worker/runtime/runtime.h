@@ -1,0 +1,230 @@
+// The worker runtime: data-parallel training steps over the epoch's
+// communicators and parameter servers (docs/training.md, "The worker
+// runtime").
+//
+// A training loop hands the runtime its flat parameter and gradient buffers
+// (Attach) and then, every step:
+//
+//   plan = BeginStep()            which step, and this rank's share of the batch
+//   ... forward and backward ...  calling GradientsReady(offset) as backward
+//                                 finishes the gradients of [offset, end)
+//   result = EndStep(loss, ...)   parameters updated for the next step
+//
+// Modes:
+// - hybrid (default): gradients go out in buckets of whole parameter-server
+//   partitions as backward makes them ready. Inside a node the local ranks
+//   reduce-scatter each bucket so that local rank i holds the node's sum of
+//   the bucket's partitions i, i + L, i + 2L, ...; it pushes those to their
+//   servers (one contribution per node) and pulls them back once the servers
+//   applied the step; the node all-gathers the pulled parameters.
+// - ps: every worker pushes every partition itself (one contribution per
+//   worker) and pulls every partition.
+// - allreduce: no servers. Each bucket is summed over all workers with an
+//   all-reduce while backward goes on; every worker then applies the same
+//   optimizer locally (DDP-like), with the same kernels the servers use.
+//
+// Gradients. The runtime sums the ranks' gradients, so each rank passes its
+// share of the global mean: the gradient of (sum of its samples' losses) /
+// (global batch), not of its own mean. The servers are configured with SUM
+// reduction accordingly. With this, N workers compute the same update as one
+// process on the whole global batch, up to the order of float additions.
+//
+// Membership changes. When a worker dies or joins, the coordinator publishes
+// a new epoch and the data plane aborts the old communicators, so the step in
+// flight fails (EndStep returns the error; nothing was applied twice: the
+// servers discard an undecided step of a superseded epoch). The next
+// BeginStep waits for the new epoch and resynchronises: with servers, every
+// worker pulls the parameters the servers hold and the ranks agree on the
+// last applied step (a step the servers decided is complete even if its pull
+// was cut off); in allreduce mode the ranks agree on the highest completed
+// step and the lowest rank that completed it broadcasts parameters and
+// optimizer state. The loop then retries from the step after it, with the
+// new data-parallel rank and size: no checkpoint, no restart.
+//
+// Thread safety: BeginStep, GradientsReady and EndStep are called from the
+// training thread only. Stop() may be called from any thread.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "common/optimizer/optimizer.h"
+#include "common/status.h"
+#include "common/thread_annotations.h"
+#include "tandem/v1/server.pb.h"
+#include "worker/data_plane.h"
+
+namespace tandem::worker {
+
+enum class TrainingMode { kHybrid, kAllReduce, kPs };
+// "hybrid", "allreduce", "ps".
+std::string_view ModeName(TrainingMode mode);
+Result<TrainingMode> ParseTrainingMode(std::string_view name);
+inline const std::vector<std::string>& TrainingModeNames() {
+  static const std::vector<std::string> names = {"hybrid", "allreduce", "ps"};
+  return names;
+}
+
+struct RuntimeOptions {
+  TrainingMode mode = TrainingMode::kHybrid;
+  // Gradients go out in buckets of about this many bytes (whole partitions
+  // in the server modes: at least one).
+  size_t bucket_bytes = 1 << 20;
+  // Element types on the wire: gradients pushed (or all-reduced) and
+  // parameters pulled. FP32 or BF16.
+  v1::WireDType gradient_wire = v1::WIRE_DTYPE_FP32;
+  v1::WireDType parameter_wire = v1::WIRE_DTYPE_FP32;
+  // The optimizer: sent to the servers, or applied locally in allreduce mode.
+  // Its reduction is set to SUM (see "Gradients" above).
+  v1::OptimizerConfig optimizer;
+  // The longest wait for one step's communication (pulls included).
+  std::chrono::milliseconds timeout{60000};
+  // After a failed step, how long to wait for the coordinator's next epoch.
+  std::chrono::milliseconds epoch_wait{60000};
+};
+
+// What BeginStep tells the training loop.
+struct StepPlan {
+  uint64_t step = 0;  // the step to run, >= 1: the servers hold the parameters after step - 1
+  uint64_t epoch = 0;
+  uint32_t rank = 0;  // global rank and world size of the epoch
+  uint32_t world_size = 1;
+  uint32_t dp_rank = 0;  // data-parallel rank and size: the batch's shard
+  uint32_t dp_size = 1;
+  bool resynced = false;  // the parameters were (re)loaded for this step
+};
+
+// What EndStep reports.
+struct StepResult {
+  uint64_t step = 0;
+  uint64_t epoch = 0;
+  double loss = 0;               // the global loss: the sum of every rank's loss_share
+  uint64_t samples = 0;          // over every rank
+  uint64_t tokens = 0;           // over every rank
+  double comm_seconds = 0;       // time the communication thread worked on this step
+  double exposed_seconds = 0;    // time EndStep waited for communication after backward
+  double optimizer_seconds = 0;  // allreduce mode: the local optimizer step
+  bool skipped = false;          // allreduce mode: a non-finite gradient skipped the update
+};
+
+// The optimizer applied in the worker itself (allreduce mode, and the
+// single-process reference): the servers' kernels over the whole flat
+// buffer, tensor by tensor with each tensor's group overrides, with the same
+// global-norm clipping and non-finite policy as the servers' decision.
+class LocalOptimizer {
+ public:
+  static Result<std::unique_ptr<LocalOptimizer>> Create(const v1::OptimizerConfig& config, size_t parameters);
+  // One update from the summed gradient. A non-finite gradient skips the
+  // update (*skipped = true) or fails, as the policy says.
+  Status Step(std::span<float> params, std::span<const float> grads, const std::vector<v1::TensorSpec>& tensors,
+              bool* skipped);
+  std::vector<float>& state0() { return state0_; }
+  std::vector<float>& state1() { return state1_; }
+  uint64_t updates() const { return updates_; }
+  void set_updates(uint64_t updates) { updates_ = updates; }
+
+ private:
+  explicit LocalOptimizer(optim::Optimizer optimizer) : optimizer_(std::move(optimizer)) {}
+  optim::Optimizer optimizer_;
+  std::vector<float> state0_, state1_;
+  uint64_t updates_ = 0;
+};
+
+class Runtime {
+ public:
+  Runtime(RuntimeOptions options, DataPlane& plane);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+
+  // The model: flat parameters and gradients (same size) and the tensor
+  // table over them (TensorSpec.flat_offset, shapes, groups for the
+  // optimizer's overrides). The buffers must outlive the runtime. On the
+  // first sync the servers are initialised from `params` (the first worker
+  // to call wins; every worker should start from the same values).
+  Status Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors);
+
+  // Waits for an epoch (resynchronising after a membership change or a
+  // failed step) and plans the next step. Errors: CANCELLED after Stop();
+  // DEADLINE_EXCEEDED naming the failure when no new epoch came within
+  // epoch_wait; INVALID_ARGUMENT and the like for a job the servers refuse.
+  Result<StepPlan> BeginStep();
+
+  // Backward has made the gradients of [ready_from, end) final: buckets
+  // inside it start communicating. Cheap; never blocks.
+  void GradientsReady(size_t ready_from);
+
+  // Finishes the step: sends what is left, waits for the updated parameters
+  // (written into the attached buffer) and the global loss. `loss_share` is
+  // this rank's loss times its share of the global batch; `samples` and
+  // `tokens` are this rank's. A failure (a membership change, a peer that
+  // died) leaves the step to be retried by the next BeginStep.
+  Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens);
+
+  // Steps completed (the servers', after a resync).
+  uint64_t completed_steps() const { return completed_; }
+  // Fails whatever waits and makes BeginStep return CANCELLED.
+  void Stop();
+
+ private:
+  struct Bucket;
+  struct StepState;
+
+  Status Resync(const DataPlane::EpochView& view);
+  Status ResyncFromServers(const DataPlane::EpochView& view);
+  Status ResyncAllReduce(const DataPlane::EpochView& view);
+  Status PlanBuckets(const DataPlane::EpochView& view);
+  Status RunBucket(Bucket& bucket);
+  Status FinishOnCommThread();
+  void Enqueue(std::function<Status()> task);
+  void CommLoop();
+  bool Fatal(const Status& status) const;
+
+  RuntimeOptions options_;
+  DataPlane& plane_;
+  std::span<float> params_;
+  std::span<float> grads_;
+  std::vector<v1::TensorSpec> tensors_;
+  std::unique_ptr<LocalOptimizer> local_;  // allreduce mode
+  bool servers_initialized_ = false;
+
+  // The synced epoch and what was derived from it.
+  uint64_t synced_epoch_ = 0;
+  uint64_t failed_epoch_ = 0;
+  Status last_failure_;
+  uint64_t completed_ = 0;
+  std::shared_ptr<const DataPlane::EpochView> view_;
+  std::shared_ptr<comm::Communicator> world_;
+  std::shared_ptr<comm::Communicator> node_;
+  std::vector<std::unique_ptr<Bucket>> buckets_;  // from the end of the buffer to its start
+  size_t next_bucket_ = 0;
+  bool in_step_ = false;
+  uint64_t step_ = 0;
+  float loss_in_[3] = {0, 0, 0};
+  float loss_out_[3] = {0, 0, 0};
+
+  // The communication thread and its queue; a failed task fails the rest of
+  // the step's tasks with the same status.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<Status()>> queue_ TANDEM_GUARDED_BY(mu_);
+  size_t running_ TANDEM_GUARDED_BY(mu_) = 0;
+  Status step_status_ TANDEM_GUARDED_BY(mu_);
+  double comm_busy_ TANDEM_GUARDED_BY(mu_) = 0;
+  bool quit_ TANDEM_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stopped_{false};
+  std::thread comm_thread_;
+};
+
+}  // namespace tandem::worker

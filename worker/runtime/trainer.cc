@@ -1,0 +1,589 @@
+#include "worker/runtime/trainer.h"
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/ranges.h>
+#include <prometheus/counter.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <spdlog/spdlog.h>
+
+#include "worker/data/dataset.h"
+#include "worker/data/sampler.h"
+
+namespace tandem::worker {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+Result<v1::WireDType> ParseWire(const std::string& name, const char* key) {
+  if (name == "fp32") return v1::WIRE_DTYPE_FP32;
+  if (name == "bf16") return v1::WIRE_DTYPE_BF16;
+  return InvalidArgument("{}: '{}' is not fp32 or bf16", key, name);
+}
+
+// What training needs besides the runtime: the model, the data and the
+// sampler, and the cursor of the step being trained.
+struct Setup {
+  Setup(model::Model m, data::TextDataset d, data::DistributedSampler s)
+      : model(std::move(m)), dataset(std::move(d)), sampler(std::move(s)) {}
+  model::Model model;
+  data::TextDataset dataset;
+  data::DistributedSampler sampler;
+  uint64_t global_batch = 0;
+  int accumulation = 1;
+  // The cursor of step cursor_step (1-based: the batch step trains on).
+  uint64_t cursor_step = 1;
+  data::Cursor cursor;
+  std::vector<uint8_t> tokens, targets;
+};
+
+Result<Setup> Prepare(const TrainConfig& config) {
+  auto model_config = ModelConfigOf(config);
+  if (!model_config.ok()) return model_config.status();
+  auto model = model::Model::Create(*model_config);
+  if (!model.ok()) return model.status().WithContext("model");
+  const auto context = static_cast<size_t>(config.context);
+  auto dataset =
+      config.data.empty() ? data::TextDataset::Default(context) : data::TextDataset::Open(config.data, context);
+  if (!dataset.ok()) return dataset.status().WithContext("train.data");
+  auto sampler = data::DistributedSampler::Create(dataset->size(), static_cast<uint64_t>(config.seed));
+  if (!sampler.ok()) return sampler.status();
+  Setup setup(std::move(*model), std::move(*dataset), std::move(*sampler));
+  setup.global_batch = static_cast<uint64_t>(config.global_batch);
+  setup.accumulation = static_cast<int>(config.accumulation);
+  return setup;
+}
+
+// The cursor of `step`: the global batch is fixed, so it is the start
+// advanced step - 1 times (cached: steps mostly follow one another).
+Result<data::Cursor> CursorOf(Setup& s, uint64_t step) {
+  if (step < s.cursor_step) {
+    s.cursor_step = 1;
+    s.cursor = {};
+  }
+  while (s.cursor_step < step) {
+    auto next = s.sampler.Advance(s.cursor, s.global_batch);
+    if (!next.ok()) return next.status();
+    s.cursor = *next;
+    ++s.cursor_step;
+  }
+  return s.cursor;
+}
+
+struct Share {
+  double loss_share = 0;  // this rank's loss times its share of the global batch
+  uint64_t samples = 0;
+  uint64_t tokens = 0;
+  data::Cursor cursor;
+  std::vector<uint64_t> indices;
+};
+
+// Forward and backward of this rank's shard of the step's batch, in
+// micro-batches; on_ready follows the last micro-batch's backward.
+Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t dp_size,
+                           const std::function<void(size_t)>& on_ready) {
+  auto cursor = CursorOf(s, step);
+  if (!cursor.ok()) return cursor.status();
+  auto batch = s.sampler.BatchSize(*cursor, s.global_batch);
+  if (!batch.ok()) return batch.status();
+  auto indices = s.sampler.Batch(*cursor, s.global_batch, dp_rank, dp_size);
+  if (!indices.ok()) return indices.status();
+  Share share;
+  share.cursor = *cursor;
+  share.indices = *indices;
+  const size_t n = indices->size();
+  if (n == 0) {  // more ranks than samples in this batch: contribute zeros
+    s.model.ZeroGrads();
+    if (on_ready) on_ready(0);
+    return share;
+  }
+  const size_t T = s.dataset.context();
+  const size_t micro = std::min<size_t>(static_cast<size_t>(s.accumulation), n);
+  size_t begin = 0;
+  for (size_t m = 0; m < micro; ++m) {
+    const size_t count = n / micro + (m < n % micro ? 1 : 0);
+    s.tokens.resize(count * T);
+    s.targets.resize(count * T);
+    for (size_t b = 0; b < count; ++b) {
+      const data::Sample sample = s.dataset.Get((*indices)[begin + b]);
+      std::memcpy(s.tokens.data() + b * T, sample.inputs.data(), T);
+      std::memcpy(s.targets.data() + b * T, sample.targets.data(), T);
+    }
+    auto loss = s.model.Forward(s.tokens.data(), s.targets.data(), static_cast<int>(count));
+    if (!loss.ok()) return loss.status();
+    const double weight = static_cast<double>(count) / static_cast<double>(*batch);
+    share.loss_share += *loss * weight;
+    const bool last = m + 1 == micro;
+    TANDEM_RETURN_IF_ERROR(s.model.Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
+                                            static_cast<float>(weight), last ? on_ready : nullptr));
+    begin += count;
+  }
+  share.samples = n;
+  share.tokens = n * T;
+  return share;
+}
+
+Status WriteParams(const std::string& path, std::span<const float> params) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) return Unavailable("train.params_out: cannot write '{}': {}", tmp, std::strerror(errno));
+    out.write(reinterpret_cast<const char*>(params.data()), static_cast<std::streamsize>(params.size_bytes()));
+    if (!out) return Unavailable("train.params_out: writing '{}' failed: {}", tmp, std::strerror(errno));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) return Unavailable("train.params_out: cannot rename '{}' to '{}': {}", tmp, path, ec.message());
+  return Status::Ok();
+}
+
+std::vector<v1::TensorSpec> TensorsOf(const model::Model& m) {
+  return m.Tensors();
+}
+
+struct TrainMetrics {
+  explicit TrainMetrics(prometheus::Registry& r)
+      : step(prometheus::BuildGauge()
+                 .Name("tandem_train_step")
+                 .Help("The last training step this worker completed.")
+                 .Register(r)
+                 .Add({})),
+        loss(prometheus::BuildGauge()
+                 .Name("tandem_train_loss")
+                 .Help("The global training loss of the last completed step (mean over the global batch).")
+                 .Register(r)
+                 .Add({})),
+        tokens_per_second(prometheus::BuildGauge()
+                              .Name("tandem_train_tokens_per_second")
+                              .Help("Tokens of the global batch per second of the last step's wall time.")
+                              .Register(r)
+                              .Add({})),
+        world_size(prometheus::BuildGauge()
+                       .Name("tandem_train_world_size")
+                       .Help("Workers in the epoch of the last completed step.")
+                       .Register(r)
+                       .Add({})),
+        exposed_ratio(prometheus::BuildGauge()
+                          .Name("tandem_train_exposed_comm_ratio")
+                          .Help("Fraction of the last step's time spent waiting for communication after backward.")
+                          .Register(r)
+                          .Add({})),
+        step_seconds(prometheus::BuildHistogram()
+                         .Name("tandem_train_step_seconds")
+                         .Help("Wall time of completed training steps.")
+                         .Register(r)
+                         .Add({}, prometheus::Histogram::BucketBoundaries{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                                          2.5, 5, 10})),
+        steps(prometheus::BuildCounter()
+                  .Name("tandem_train_steps_total")
+                  .Help("Training steps this worker completed.")
+                  .Register(r)
+                  .Add({})),
+        failures(prometheus::BuildCounter()
+                     .Name("tandem_train_step_failures_total")
+                     .Help("Step attempts that failed (membership changes, lost peers) and were retried.")
+                     .Register(r)
+                     .Add({})),
+        tokens(prometheus::BuildCounter()
+                   .Name("tandem_train_tokens_total")
+                   .Help("Tokens of the global batches of the steps this worker completed.")
+                   .Register(r)
+                   .Add({})),
+        comm_seconds(prometheus::BuildCounter()
+                         .Name("tandem_train_comm_seconds_total")
+                         .Help("Time the communication thread worked on completed steps.")
+                         .Register(r)
+                         .Add({})),
+        exposed_seconds(prometheus::BuildCounter()
+                            .Name("tandem_train_exposed_comm_seconds_total")
+                            .Help("Time completed steps waited for communication after backward.")
+                            .Register(r)
+                            .Add({})) {}
+  prometheus::Gauge& step;
+  prometheus::Gauge& loss;
+  prometheus::Gauge& tokens_per_second;
+  prometheus::Gauge& world_size;
+  prometheus::Gauge& exposed_ratio;
+  prometheus::Histogram& step_seconds;
+  prometheus::Counter& steps;
+  prometheus::Counter& failures;
+  prometheus::Counter& tokens;
+  prometheus::Counter& comm_seconds;
+  prometheus::Counter& exposed_seconds;
+};
+
+}  // namespace
+
+void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
+  if (job_keys) {
+    o.Int("train.steps", &c->steps, "training steps of the reference model (0: do not train, only serve)", 0,
+          int64_t{1} << 40);
+    o.Choice("train.mode", &c->mode, TrainingModeNames(),
+             "hybrid (node reduce-scatter, servers, node all-gather), allreduce (no servers: DDP-like), ps (every "
+             "worker pushes to the servers)");
+    o.String("train.data", &c->data, "text file to train on (empty: the built-in corpus)");
+    o.Int("train.seed", &c->seed, "seed of the model's initialisation and of the data order", 0, INT64_MAX);
+  }
+  o.Int("train.global_batch", &c->global_batch, "sequences per step over all data-parallel ranks", 1, 1 << 20);
+  o.Int("train.accumulation", &c->accumulation, "micro-batches per rank and step, summed without communication", 1,
+        1 << 16);
+  o.Int("train.context", &c->context, "tokens (bytes) per sequence", 1, 1 << 16);
+  o.Int("train.d_model", &c->d_model, "width of the model", 1, 1 << 16);
+  o.Int("train.heads", &c->heads, "attention heads (divides d_model)", 1, 1 << 10);
+  o.Int("train.layers", &c->layers, "transformer blocks", 1, 1 << 10);
+  o.Bool("train.activation_checkpointing", &c->activation_checkpointing,
+         "keep only each block's input and recompute the rest during backward");
+  o.Int("train.blas_threads", &c->blas_threads, "BLAS threads of this worker", 1, 1024);
+  o.Choice("train.optimizer", &c->optimizer, {"adamw", "adam", "sgd"}, "update rule");
+  o.Double("train.lr", &c->lr, "peak learning rate", 0, 1e6);
+  o.Double("train.weight_decay", &c->weight_decay,
+           "weight decay (not applied to biases, LayerNorm parameters and embeddings)", 0, 1e6);
+  o.Double("train.max_grad_norm", &c->max_grad_norm, "global gradient-norm clipping threshold (0: off)", 0, 1e30);
+  o.Choice("train.schedule", &c->schedule, {"constant", "cosine", "linear"},
+           "learning-rate decay after the warmup, over train.steps");
+  o.Int("train.warmup_steps", &c->warmup_steps, "linear learning-rate warmup steps", 0, int64_t{1} << 40);
+  o.Int("train.lr_base_batch", &c->lr_base_batch,
+        "linear scaling: train.lr was tuned for this global batch, so the rate is lr * global_batch / "
+        "lr_base_batch (0: off)",
+        0, 1 << 30);
+  o.Bytes("train.bucket_bytes", &c->bucket_bytes, "gradients travel in buckets of about this size", 4, 1ULL << 34);
+  o.Choice("train.gradient_wire", &c->gradient_wire, {"fp32", "bf16"}, "element type of gradients on the wire");
+  o.Choice("train.parameter_wire", &c->parameter_wire, {"fp32", "bf16"},
+           "element type of parameters pulled from the servers");
+  o.Duration("train.step_timeout", &c->step_timeout, "longest wait for one step's communication",
+             std::chrono::milliseconds(100), std::chrono::hours(24));
+  o.Duration("train.epoch_wait", &c->epoch_wait, "after a failed step, how long to wait for a new epoch",
+             std::chrono::milliseconds(100), std::chrono::hours(24));
+  o.String("train.progress_file", &c->progress_file,
+           "append one JSON line per completed step here (written by global rank 0)");
+  o.String("train.params_out", &c->params_out,
+           "write the final parameters here, raw little-endian fp32 (written by global rank 0)");
+  o.String("train.sample_log", &c->sample_log,
+           "append one JSON line per step attempt with the samples this worker trained on (for checking the "
+           "sampler across membership changes)");
+}
+
+std::vector<std::string> TrainFlags(const TrainConfig& c) {
+  const auto ms = [](std::chrono::milliseconds d) { return fmt::format("{}ms", d.count()); };
+  const auto num = [](double v) { return fmt::format("{:.17g}", v); };
+  std::vector<std::string> f = {"--train-steps",
+                                std::to_string(c.steps),
+                                "--train-mode",
+                                c.mode,
+                                "--train-data",
+                                c.data,
+                                "--train-seed",
+                                std::to_string(c.seed),
+                                "--train-global-batch",
+                                std::to_string(c.global_batch),
+                                "--train-accumulation",
+                                std::to_string(c.accumulation),
+                                "--train-context",
+                                std::to_string(c.context),
+                                "--train-d-model",
+                                std::to_string(c.d_model),
+                                "--train-heads",
+                                std::to_string(c.heads),
+                                "--train-layers",
+                                std::to_string(c.layers),
+                                "--train-blas-threads",
+                                std::to_string(c.blas_threads),
+                                "--train-optimizer",
+                                c.optimizer,
+                                "--train-lr",
+                                num(c.lr),
+                                "--train-weight-decay",
+                                num(c.weight_decay),
+                                "--train-max-grad-norm",
+                                num(c.max_grad_norm),
+                                "--train-schedule",
+                                c.schedule,
+                                "--train-warmup-steps",
+                                std::to_string(c.warmup_steps),
+                                "--train-lr-base-batch",
+                                std::to_string(c.lr_base_batch),
+                                "--train-bucket-bytes",
+                                std::to_string(c.bucket_bytes),
+                                "--train-gradient-wire",
+                                c.gradient_wire,
+                                "--train-parameter-wire",
+                                c.parameter_wire,
+                                "--train-step-timeout",
+                                ms(c.step_timeout),
+                                "--train-epoch-wait",
+                                ms(c.epoch_wait),
+                                "--train-progress-file",
+                                c.progress_file,
+                                "--train-params-out",
+                                c.params_out,
+                                "--train-sample-log",
+                                c.sample_log};
+  // Flags need a value: leave out the empty ones (their default is empty).
+  std::vector<std::string> out;
+  for (size_t i = 0; i + 1 < f.size(); i += 2) {
+    if (f[i + 1].empty()) continue;
+    out.push_back(f[i]);
+    out.push_back(f[i + 1]);
+  }
+  if (c.activation_checkpointing) out.push_back("--train-activation-checkpointing");  // a switch: no value
+  return out;
+}
+
+Result<model::ModelConfig> ModelConfigOf(const TrainConfig& c) {
+  model::ModelConfig m;
+  m.context = static_cast<int>(c.context);
+  m.d_model = static_cast<int>(c.d_model);
+  m.heads = static_cast<int>(c.heads);
+  m.layers = static_cast<int>(c.layers);
+  m.seed = static_cast<uint64_t>(c.seed);
+  m.blas_threads = static_cast<int>(c.blas_threads);
+  m.activation_checkpointing = c.activation_checkpointing;
+  TANDEM_RETURN_IF_ERROR(m.Validate().WithContext("train"));
+  return m;
+}
+
+Result<v1::OptimizerConfig> OptimizerConfigOf(const TrainConfig& c) {
+  double lr = c.lr;
+  if (c.lr_base_batch > 0) {
+    auto scaled =
+        data::ScaledLearningRate(c.lr, static_cast<uint64_t>(c.global_batch), static_cast<uint64_t>(c.lr_base_batch));
+    if (!scaled.ok()) return scaled.status();
+    lr = *scaled;
+  }
+  if (!(lr > 0)) return InvalidArgument("train.lr: must be > 0");
+  v1::OptimizerConfig o;
+  if (c.optimizer == "sgd") {
+    o.mutable_sgd()->set_lr(lr);
+    o.mutable_sgd()->set_momentum(0.9);
+    o.mutable_sgd()->set_weight_decay(c.weight_decay);
+  } else {
+    o.mutable_adam()->set_lr(lr);
+    o.mutable_adam()->set_weight_decay(c.weight_decay);
+    o.mutable_adam()->set_decoupled_weight_decay(c.optimizer == "adamw");
+  }
+  auto* schedule = o.mutable_lr_schedule();
+  schedule->set_kind(c.schedule == "cosine"   ? v1::LR_SCHEDULE_KIND_COSINE
+                     : c.schedule == "linear" ? v1::LR_SCHEDULE_KIND_LINEAR
+                                              : v1::LR_SCHEDULE_KIND_CONSTANT);
+  schedule->set_warmup_steps(static_cast<uint64_t>(c.warmup_steps));
+  if (c.schedule != "constant") schedule->set_total_steps(static_cast<uint64_t>(std::max<int64_t>(c.steps, 1)));
+  o.set_max_grad_norm(c.max_grad_norm);
+  (*o.mutable_group_overrides())["no_decay"].set_weight_decay(0);
+  o.set_reduction(v1::GRADIENT_REDUCTION_SUM);
+  return o;
+}
+
+Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
+  RuntimeOptions r;
+  auto mode = ParseTrainingMode(c.mode);
+  if (!mode.ok()) return mode.status();
+  r.mode = *mode;
+  auto gw = ParseWire(c.gradient_wire, "train.gradient_wire");
+  if (!gw.ok()) return gw.status();
+  auto pw = ParseWire(c.parameter_wire, "train.parameter_wire");
+  if (!pw.ok()) return pw.status();
+  r.gradient_wire = *gw;
+  r.parameter_wire = *pw;
+  r.bucket_bytes = c.bucket_bytes;
+  r.timeout = c.step_timeout;
+  r.epoch_wait = c.epoch_wait;
+  auto optimizer = OptimizerConfigOf(c);
+  if (!optimizer.ok()) return optimizer.status();
+  r.optimizer = *optimizer;
+  return r;
+}
+
+std::string ToJson(const StepRecord& r) {
+  const double unix_seconds =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  return fmt::format(
+      "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
+      "\"compute_seconds\":{:.6f},\"comm_seconds\":{:.6f},\"exposed_seconds\":{:.6f},\"world_size\":{},\"rank\":{},"
+      "\"retries\":{},\"resynced\":{},\"time\":{:.3f}}}",
+      r.step, r.epoch, std::isfinite(r.loss) ? fmt::format("{:.6f}", r.loss) : "null", r.tokens,
+      r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0.0, r.step_seconds, r.compute_seconds,
+      r.comm_seconds, r.exposed_seconds, r.world_size, r.rank, r.retries, r.resynced ? "true" : "false", unix_seconds);
+}
+
+Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
+  auto setup = Prepare(config);
+  if (!setup.ok()) return setup.status();
+  auto options = RuntimeOptionsOf(config);
+  if (!options.ok()) return options.status();
+  Runtime runtime(*options, plane);
+  TANDEM_RETURN_IF_ERROR(runtime.Attach(setup->model.params(), setup->model.grads(), TensorsOf(setup->model)));
+  std::unique_ptr<TrainMetrics> metrics;
+  if (hooks.registry != nullptr) metrics = std::make_unique<TrainMetrics>(*hooks.registry);
+  std::FILE* progress = nullptr;
+  if (!config.progress_file.empty()) {
+    progress = std::fopen(config.progress_file.c_str(), "a");
+    if (progress == nullptr) {
+      return Unavailable("train.progress_file: cannot open '{}': {}", config.progress_file, std::strerror(errno));
+    }
+  }
+  std::FILE* sample_log = nullptr;
+  if (!config.sample_log.empty()) {
+    sample_log = std::fopen(config.sample_log.c_str(), "a");
+    if (sample_log == nullptr) {
+      if (progress != nullptr) std::fclose(progress);
+      return Unavailable("train.sample_log: cannot open '{}': {}", config.sample_log, std::strerror(errno));
+    }
+  }
+  const auto close_progress = [&] {
+    if (progress != nullptr) std::fclose(progress);
+    if (sample_log != nullptr) std::fclose(sample_log);
+    progress = nullptr;
+    sample_log = nullptr;
+  };
+  spdlog::info("training: {} steps of a {}-parameter model on {} ({} samples of {} bytes), global batch {}, {} mode",
+               config.steps, setup->model.num_parameters(), setup->dataset.name(), setup->dataset.size(),
+               config.context, config.global_batch, config.mode);
+  const auto stopping = [&] { return hooks.stopping && hooks.stopping(); };
+  uint64_t retries = 0;
+  uint32_t rank = 0;
+  uint64_t completed_step = 0;  // by this worker's knowledge
+  uint64_t attempted_step = 0;
+  uint64_t attempted_epoch = 0;
+  while (true) {
+    if (stopping()) {
+      close_progress();
+      return Cancelled("stopped at step {}", runtime.completed_steps());
+    }
+    auto plan = runtime.BeginStep();
+    if (!plan.ok()) {
+      close_progress();
+      return plan.status();
+    }
+    rank = plan->rank;
+    if (attempted_step > completed_step && plan->step > attempted_step) {
+      // The step this worker attempted failed here but was applied by the
+      // servers before the membership change: it is complete, its loss
+      // unknown to this worker.
+      StepRecord record;
+      record.step = attempted_step;
+      record.epoch = attempted_epoch;
+      record.loss = std::nan("");
+      record.world_size = plan->world_size;
+      record.rank = plan->rank;
+      record.retries = retries;
+      record.resynced = true;
+      retries = 0;
+      if (hooks.on_step) hooks.on_step(record);
+      if (progress != nullptr && record.rank == 0) {
+        std::fprintf(progress, "%s\n", ToJson(record).c_str());
+        std::fflush(progress);
+      }
+    }
+    completed_step = plan->step - 1;
+    if (plan->step > static_cast<uint64_t>(config.steps)) break;
+    attempted_step = plan->step;
+    attempted_epoch = plan->epoch;
+    const auto t0 = Clock::now();
+    auto share = ComputeShare(*setup, plan->step, plan->dp_rank, plan->dp_size,
+                              [&runtime](size_t from) { runtime.GradientsReady(from); });
+    if (!share.ok()) {
+      close_progress();
+      return share.status().WithContext(fmt::format("step {}", plan->step));
+    }
+    const auto t1 = Clock::now();
+    if (sample_log != nullptr) {
+      // Before the gradients leave: a step cannot complete without this line.
+      std::fprintf(sample_log, "%s\n",
+                   fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
+                               "\"offset\":{},\"samples\":[{}]}}",
+                               plan->step, plan->epoch, plan->dp_rank, plan->dp_size, share->cursor.epoch,
+                               share->cursor.offset, fmt::join(share->indices, ","))
+                       .c_str());
+      std::fflush(sample_log);
+    }
+    auto result = runtime.EndStep(share->loss_share, share->samples, share->tokens);
+    if (!result.ok()) {
+      ++retries;
+      if (metrics) metrics->failures.Increment();
+      spdlog::warn("step {} failed in epoch {} and will be retried after a resync: {}", plan->step, plan->epoch,
+                   result.status().ToString());
+      continue;
+    }
+    StepRecord record;
+    record.step = result->step;
+    record.epoch = result->epoch;
+    record.loss = result->loss;
+    record.tokens = result->tokens;
+    record.step_seconds = Seconds(Clock::now() - t0);
+    record.compute_seconds = Seconds(t1 - t0);
+    record.comm_seconds = result->comm_seconds;
+    record.exposed_seconds = result->exposed_seconds;
+    record.world_size = plan->world_size;
+    record.rank = plan->rank;
+    record.retries = retries;
+    record.resynced = plan->resynced;
+    retries = 0;
+    completed_step = record.step;
+    if (metrics) {
+      metrics->step.Set(static_cast<double>(record.step));
+      metrics->loss.Set(record.loss);
+      metrics->world_size.Set(record.world_size);
+      metrics->tokens_per_second.Set(static_cast<double>(record.tokens) / record.step_seconds);
+      metrics->exposed_ratio.Set(record.exposed_seconds / record.step_seconds);
+      metrics->step_seconds.Observe(record.step_seconds);
+      metrics->steps.Increment();
+      metrics->tokens.Increment(static_cast<double>(record.tokens));
+      metrics->comm_seconds.Increment(record.comm_seconds);
+      metrics->exposed_seconds.Increment(record.exposed_seconds);
+    }
+    if (hooks.on_step) hooks.on_step(record);
+    if (progress != nullptr && record.rank == 0) {
+      std::fprintf(progress, "%s\n", ToJson(record).c_str());
+      std::fflush(progress);
+    }
+  }
+  close_progress();
+  spdlog::info("training done: {} steps", runtime.completed_steps());
+  if (!config.params_out.empty() && rank == 0) {
+    TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model.params()));
+  }
+  return Status::Ok();
+}
+
+Status TrainLocally(const TrainConfig& config, const std::function<void(const StepRecord&)>& on_step,
+                    std::vector<float>* final_params) {
+  auto setup = Prepare(config);
+  if (!setup.ok()) return setup.status();
+  auto optimizer_config = OptimizerConfigOf(config);
+  if (!optimizer_config.ok()) return optimizer_config.status();
+  auto optimizer = LocalOptimizer::Create(*optimizer_config, setup->model.num_parameters());
+  if (!optimizer.ok()) return optimizer.status();
+  const auto tensors = TensorsOf(setup->model);
+  for (uint64_t step = 1; step <= static_cast<uint64_t>(config.steps); ++step) {
+    const auto t0 = Clock::now();
+    auto share = ComputeShare(*setup, step, 0, 1, nullptr);
+    if (!share.ok()) return share.status().WithContext(fmt::format("step {}", step));
+    const auto t1 = Clock::now();
+    bool skipped = false;
+    TANDEM_RETURN_IF_ERROR((*optimizer)->Step(setup->model.params(), setup->model.grads(), tensors, &skipped));
+    StepRecord record;
+    record.step = step;
+    record.loss = share->loss_share;
+    record.tokens = share->tokens;
+    record.step_seconds = Seconds(Clock::now() - t0);
+    record.compute_seconds = Seconds(t1 - t0);
+    if (on_step) on_step(record);
+  }
+  if (final_params != nullptr) final_params->assign(setup->model.params().begin(), setup->model.params().end());
+  if (!config.params_out.empty()) TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model.params()));
+  return Status::Ok();
+}
+
+}  // namespace tandem::worker

@@ -1,0 +1,114 @@
+// The reference trainer: the byte-level language model (worker/model) on a
+// text dataset (worker/data), trained through the worker runtime
+// (worker/runtime/runtime.h) or, for comparison, in one process with no
+// cluster at all (TrainLocally). docs/training.md describes both.
+//
+// One step at global batch B over P data-parallel ranks: the sampler gives
+// this rank its contiguous shard of the batch at the step's cursor (a pure
+// function of the step, so a retried or resumed step trains on the same
+// samples); the shard is split into `accumulation` micro-batches whose
+// gradients are summed with no communication in between; each micro-batch's
+// backward is scaled by its share of the global batch, so the runtime's sum
+// over ranks is the gradient of the global batch's mean loss. On the last
+// micro-batch, backward hands each finished range of gradients to the
+// runtime, so they travel while the earlier layers are still computing.
+//
+// Thread safety: one thread runs a trainer.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/config.h"
+#include "common/status.h"
+#include "tandem/v1/server.pb.h"
+#include "worker/model/model.h"
+#include "worker/runtime/runtime.h"
+
+namespace prometheus {
+class Registry;
+}
+
+namespace tandem::worker {
+
+struct TrainConfig {
+  int64_t steps = 0;  // 0: no training (the worker only serves its data plane)
+  std::string mode = "hybrid";
+  std::string data;  // a text file; empty: the built-in corpus
+  int64_t seed = 1;  // model initialisation and data order
+  int64_t global_batch = 16;
+  int64_t accumulation = 1;
+  // The model.
+  int64_t context = 64;
+  int64_t d_model = 128;
+  int64_t heads = 4;
+  int64_t layers = 4;
+  bool activation_checkpointing = false;
+  int64_t blas_threads = 1;
+  // The optimizer.
+  std::string optimizer = "adamw";
+  double lr = 3e-3;
+  double weight_decay = 0.01;
+  double max_grad_norm = 0;
+  std::string schedule = "constant";
+  int64_t warmup_steps = 0;
+  int64_t lr_base_batch = 0;  // linear scaling: lr was tuned for this global batch (0: off)
+  // Communication.
+  uint64_t bucket_bytes = 1 << 20;
+  std::string gradient_wire = "fp32";
+  std::string parameter_wire = "fp32";
+  std::chrono::milliseconds step_timeout{60000};
+  std::chrono::milliseconds epoch_wait{60000};
+  // Output.
+  std::string progress_file;  // JSON lines, one per step (global rank 0 writes)
+  std::string params_out;     // the final parameters, raw little-endian fp32 (global rank 0 writes)
+  std::string sample_log;     // append which samples each step attempt trained on (every worker)
+};
+
+// The train.* options. Without `job_keys`, steps, mode, data and seed are
+// left out (a launcher that has options of its own for them).
+void DeclareTrainOptions(OptionSet& options, TrainConfig* config, bool job_keys = true);
+// The flags that give a tandem-worker this configuration.
+std::vector<std::string> TrainFlags(const TrainConfig& config);
+Result<model::ModelConfig> ModelConfigOf(const TrainConfig& config);
+Result<v1::OptimizerConfig> OptimizerConfigOf(const TrainConfig& config);
+Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& config);
+
+// One step as a person and `tandem run` see it.
+struct StepRecord {
+  uint64_t step = 0;
+  uint64_t epoch = 0;
+  double loss = 0;  // NaN: the step completed on the servers while this worker lost its result
+  uint64_t tokens = 0;
+  double step_seconds = 0;
+  double compute_seconds = 0;
+  double comm_seconds = 0;
+  double exposed_seconds = 0;
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  uint64_t retries = 0;  // failed attempts before this step completed
+  bool resynced = false;
+};
+// The record as one JSON line (no newline).
+std::string ToJson(const StepRecord& record);
+
+struct TrainerHooks {
+  std::function<void(const StepRecord&)> on_step;
+  std::function<bool()> stopping;
+  prometheus::Registry* registry = nullptr;  // step metrics (tandem_train_*) go here when set
+};
+
+// Trains config.steps steps through `runtime` (steps already completed by
+// the job count). Returns OK when done, CANCELLED when stopped.
+Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks);
+
+// The same training in this process alone: the whole global batch, the same
+// micro-batches, the same optimizer kernels. `final_params` receives the
+// parameters after the last step.
+Status TrainLocally(const TrainConfig& config, const std::function<void(const StepRecord&)>& on_step,
+                    std::vector<float>* final_params);
+
+}  // namespace tandem::worker
