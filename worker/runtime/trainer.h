@@ -54,7 +54,7 @@ struct TrainConfig {
   double weight_decay = 0.01;
   double max_grad_norm = 0;
   std::string schedule = "constant";
-  int64_t warmup_steps = 0;
+  int64_t warmup_steps = 10;
   int64_t lr_base_batch = 0;  // linear scaling: lr was tuned for this global batch (0: off)
   // Communication.
   uint64_t bucket_bytes = 1 << 20;
