@@ -4,6 +4,9 @@
 // lo): ordered matching, many tags, sizes, size mismatches, timeouts, dropped
 // requests, a peer that closes, and the CPU collectives over UCX. A peer that
 // is SIGKILLed runs as a child process (this binary, re-run with a filter).
+// As root, two child processes in two network namespaces (joined by a veth
+// pair) check that such peers use the network and are woken at once (the
+// test skips without root or `ip netns`).
 //
 // With TANDEM_UCX_BENCH=1, UcxBench.CopyVersusCma prints the bandwidth of
 // large messages through posix/sysv segments and through cma.
@@ -13,6 +16,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
@@ -22,6 +26,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <gtest/gtest.h>
 
 #include "common/process.h"
@@ -680,6 +686,160 @@ TEST_P(UcxPeerDeathTest, KilledPeerFailsPendingAndLaterOperationsNamingIt) {
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPeerDeathTest,
                          ::testing::Values(PathConfig{"SharedMemory", "", true}, PathConfig{"Tcp", "tcp", true}),
                          [](const ::testing::TestParamInfo<PathConfig>& param_info) { return param_info.param.name; });
+
+// ---------------------------------------------------------------------------
+// Peers in different network namespaces (the simulated nodes of `tandem run`).
+
+constexpr char kNetnsDirEnv[] = "TANDEM_UCX_TEST_NETNS_DIR";
+constexpr char kNetnsRankEnv[] = "TANDEM_UCX_TEST_NETNS_RANK";
+// A wake-up that is lost costs a whole liveness_interval: make that obvious.
+constexpr milliseconds kNetnsLiveness{2000};
+
+std::string IpProgram() {
+  for (const char* p : {"/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"}) {
+    if (access(p, X_OK) == 0) return p;
+  }
+  return "";
+}
+
+// Two network namespaces joined by a veth pair (10.213.255.1/30 and .2, which
+// exist only inside them); removed again by the destructor.
+class NamespacePair {
+ public:
+  NamespacePair() : ip_(IpProgram()) {
+    const std::string base = fmt::format("tux{}", getpid() % 10000000);
+    names_ = {base + "a", base + "b"};
+  }
+  ~NamespacePair() {
+    for (const auto& name : names_) Ip({"netns", "del", name});  // takes its end of the veth along
+  }
+  // Empty on success, else why it failed.
+  std::string Create() {
+    if (geteuid() != 0) return "network namespaces need root";
+    if (ip_.empty()) return "no `ip` program (iproute2)";
+    for (const auto& name : names_) {
+      if (std::string out; !Ip({"netns", "add", name}, &out)) return "`ip netns add` does not work here: " + out;
+    }
+    std::string out;
+    bool ok = Ip(
+        {"link", "add", names_[0], "netns", names_[0], "type", "veth", "peer", "name", names_[1], "netns", names_[1]},
+        &out);
+    for (int i = 0; ok && i < 2; ++i) {
+      const std::string& ns = names_[static_cast<size_t>(i)];
+      ok = Ip({"-n", ns, "addr", "add", fmt::format("10.213.255.{}/30", i + 1), "dev", ns}, &out) &&
+           Ip({"-n", ns, "link", "set", ns, "up"}, &out) && Ip({"-n", ns, "link", "set", "lo", "up"}, &out);
+    }
+    if (!ok) return "cannot wire the namespaces: " + out;
+    // UCX only uses interfaces that are operational, which veths become a moment after `up`.
+    const auto deadline = Clock::now() + seconds(10);
+    for (const auto& ns : names_) {
+      while (Ip({"-n", ns, "-o", "link", "show", ns}, &out) && out.find("state UP") == std::string::npos) {
+        if (Clock::now() > deadline) return "the veth did not come up: " + out;
+        std::this_thread::sleep_for(milliseconds(10));
+      }
+    }
+    return "";
+  }
+  // argv that runs `argv` in namespace i.
+  std::vector<std::string> In(int i, std::vector<std::string> argv) const {
+    argv.insert(argv.begin(), {ip_, "netns", "exec", names_.at(static_cast<size_t>(i))});
+    return argv;
+  }
+
+ private:
+  bool Ip(std::vector<std::string> args, std::string* output = nullptr) const {
+    args.insert(args.begin(), ip_);
+    const auto result = testing::RunCommand(args, seconds(10));
+    if (output != nullptr) *output = fmt::format("{}: {}", fmt::join(args, " "), result.output);
+    return result.exit.success();
+  }
+  std::string ip_;
+  std::vector<std::string> names_;
+};
+
+// One rank of UcxNetnsTest, in a child process in its own network namespace;
+// skipped when run directly. Rank 0 writes the path summary and the slowest
+// round trip after an idle pause to files in the shared directory.
+TEST(UcxNetnsChild, Rank) {
+  const char* dir_env = std::getenv(kNetnsDirEnv);
+  const char* rank_env = std::getenv(kNetnsRankEnv);
+  if (dir_env == nullptr || rank_env == nullptr) GTEST_SKIP() << "runs only as a child process of UcxNetnsTest";
+  const std::string dir = dir_env;
+  const int rank = std::atoi(rank_env);
+  const int peer = 1 - rank;
+  UcxOptions o = TestOptions();
+  o.net_devices = "";  // the namespace's own: lo and its end of the veth
+  o.liveness_interval = kNetnsLiveness;
+  auto t = UcxTransport::Create(o);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  UcxTransport& u = **t;
+  ASSERT_TRUE(WriteFileAtomically(fmt::format("{}/rank{}.addr", dir, rank), u.address()));
+  std::vector<std::string> addresses(2);
+  addresses[static_cast<size_t>(rank)] = u.address();
+  addresses[static_cast<size_t>(peer)] = WaitForFile(fmt::format("{}/rank{}.addr", dir, peer), kWait);
+  ASSERT_FALSE(addresses[static_cast<size_t>(peer)].empty());
+  ASSERT_TRUE(u.Connect(rank, 2, addresses, kWait).ok());
+  if (rank == 0) {
+    ASSERT_TRUE(WriteFileAtomically(dir + "/summary", u.PathSummary().at(0)));
+  }
+
+  // Ping-pong after idle pauses long enough for both progress threads to sleep.
+  double slowest_ms = 0;
+  for (size_t bytes : {size_t{8}, size_t{4} << 20}) {
+    std::vector<char> out = Pattern(bytes, rank), in(bytes);
+    for (int i = 0; i < 4; ++i) {
+      if (rank == 0) {
+        std::this_thread::sleep_for(milliseconds(50));
+        const auto start = Clock::now();
+        auto recv = u.Recv(peer, 2, in.data(), bytes);
+        ASSERT_TRUE(u.Send(peer, 1, out.data(), bytes)->Wait(kWait).ok());
+        ASSERT_TRUE(recv->Wait(kWait).ok());
+        slowest_ms = std::max(slowest_ms, Seconds(Clock::now() - start) * 1000);
+      } else {
+        ASSERT_TRUE(u.Recv(peer, 1, in.data(), bytes)->Wait(kWait).ok());
+        ASSERT_TRUE(u.Send(peer, 2, out.data(), bytes)->Wait(kWait).ok());
+      }
+      ASSERT_EQ(in, Pattern(bytes, peer));
+    }
+  }
+  if (rank == 0) {
+    ASSERT_TRUE(WriteFileAtomically(dir + "/slowest_ms", std::to_string(slowest_ms)));
+  }
+}
+
+TEST(UcxNetnsTest, PeerInAnotherNetworkNamespaceUsesTheNetworkAndIsWokenAtOnce) {
+  NamespacePair namespaces;
+  if (const std::string why = namespaces.Create(); !why.empty()) GTEST_SKIP() << why;
+  testing::TempDir dir;
+  ASSERT_FALSE(dir.path().empty());
+  const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
+  std::vector<std::unique_ptr<Subprocess>> children;
+  for (int rank = 0; rank < 2; ++rank) {
+    SpawnOptions spawn;
+    spawn.argv = namespaces.In(rank, {self, "--gtest_filter=UcxNetnsChild.Rank"});
+    spawn.extra_env = {std::string(kNetnsDirEnv) + "=" + dir.path(), fmt::format("{}={}", kNetnsRankEnv, rank)};
+    spawn.output_file = fmt::format("{}/rank{}.log", dir.path(), rank);
+    auto child = Subprocess::Spawn(spawn);
+    ASSERT_TRUE(child.ok()) << child.status().ToString();
+    children.push_back(std::move(child).value());
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    auto exit = children[static_cast<size_t>(rank)]->Wait(3 * kWait);
+    const std::string log = testing::ReadFile(fmt::format("{}/rank{}.log", dir.path(), rank));
+    ASSERT_TRUE(exit.ok()) << "rank " << rank << " did not finish: " << log;
+    EXPECT_TRUE(exit->success()) << "rank " << rank << ": " << exit->ToString() << "\n" << log;
+  }
+  const std::string summary = testing::ReadFile(dir.path() + "/summary");
+  EXPECT_NE(summary.find("same host, network: it runs in another network namespace"), std::string::npos) << summary;
+  EXPECT_NE(summary.find("tcp/tux"), std::string::npos) << summary;  // over the veth, not lo
+  // Before peers in other network namespaces were kept off shared memory, every
+  // round trip here waited for a timed wake-up: about kNetnsLiveness.
+  const std::string slowest = testing::ReadFile(dir.path() + "/slowest_ms");
+  ASSERT_FALSE(slowest.empty());
+  EXPECT_LT(std::stod(slowest), 500.0) << "a round trip after an idle pause took " << slowest << " ms: " << summary;
+  std::printf("network namespaces: slowest round trip after an idle pause %s ms: %s\n", slowest.c_str(),
+              summary.c_str());
+}
 
 // ---------------------------------------------------------------------------
 // Bandwidth of large messages, copy through segments versus cma (manual).

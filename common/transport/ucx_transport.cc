@@ -146,6 +146,7 @@ struct Identity {
   uint32_t pid = 0;
   uint64_t start_ticks = 0;
   uint64_t pid_namespace = 0;  // inode of /proc/self/ns/pid, 0 if unknown
+  uint64_t net_namespace = 0;  // inode of the network namespace UCX's sockets are in, 0 if unknown
   std::string hostname;
   std::string boot_id;
   bool has_verbs = false;
@@ -154,7 +155,7 @@ struct Identity {
 };
 
 constexpr char kMagic[4] = {'T', 'U', 'C', 'X'};
-constexpr uint8_t kAddressVersion = 1;
+constexpr uint8_t kAddressVersion = 2;
 
 class Writer {
  public:
@@ -212,6 +213,7 @@ std::string EncodeIdentity(const Identity& id) {
   w.U32(id.pid);
   w.U64(id.start_ticks);
   w.U64(id.pid_namespace);
+  w.U64(id.net_namespace);
   w.Bytes(id.hostname);
   w.Bytes(id.boot_id);
   w.Bytes(id.shm_address);
@@ -233,6 +235,7 @@ std::string DecodeIdentity(std::string_view in, Identity* id) {
   id->pid = r.Get<uint32_t>();
   id->start_ticks = r.Get<uint64_t>();
   id->pid_namespace = r.Get<uint64_t>();
+  id->net_namespace = r.Get<uint64_t>();
   id->hostname = r.Bytes(255);
   id->boot_id = r.Bytes(64);
   id->shm_address = r.Bytes(1 << 16);
@@ -567,11 +570,12 @@ std::string Describe(const Op& op) {
 struct Peer {
   int rank = 0;
   Identity id;
-  bool same_host = false;      // same host name and boot id
-  bool pid_check = false;      // same host and PID namespace: liveness through /proc
-  bool shm = false;            // reached through the shared-memory worker
-  bool shm_expected = false;   // both ranks have shared-memory workers and share the host
-  std::string network_reason;  // why a peer on this host is not reached through shared memory
+  bool same_host = false;            // same host name and boot id
+  bool pid_check = false;            // same host and PID namespace: liveness through /proc
+  bool shm = false;                  // reached through the shared-memory worker
+  bool shm_expected = false;         // both ranks have shared-memory workers and share the host and network namespace
+  bool shm_without_wakeups = false;  // shared memory across network namespaces: nothing else reaches it
+  std::string network_reason;        // why a peer on this host is not reached through shared memory
 
   // Progress thread only (set before the peer is published).
   ucp_worker_h worker = nullptr;
@@ -805,6 +809,10 @@ Status UcxTransport::Core::Init() {
   if (const auto stat = ReadProcStat()) self_.start_ticks = stat->start_ticks;
   struct stat ns {};
   if (stat("/proc/self/ns/pid", &ns) == 0) self_.pid_namespace = static_cast<uint64_t>(ns.st_ino);
+  // UCX opens its sockets on this thread, in this thread's network namespace.
+  if (stat("/proc/thread-self/ns/net", &ns) == 0 || stat("/proc/self/ns/net", &ns) == 0) {
+    self_.net_namespace = static_cast<uint64_t>(ns.st_ino);
+  }
   self_.boot_id = Trim(ReadSmallFile("/proc/sys/kernel/random/boot_id"));
   self_.hostname = options_.hostname;
   if (self_.hostname.empty()) {
@@ -934,19 +942,31 @@ Status UcxTransport::Core::Connect(int rank, int size, const std::vector<std::st
     p->same_host = p->id.hostname == self_.hostname && p->id.boot_id == self_.boot_id;
     p->pid_check =
         p->same_host && self_.pid_namespace != 0 && p->id.pid_namespace == self_.pid_namespace && p->id.pid != 0;
-    p->shm_expected = p->same_host && !self_.shm_address.empty() && !p->id.shm_address.empty();
-    if (p->shm_expected && p->pid_check) {
+    // UCX's shared-memory transports wake a sleeping receiver through an
+    // abstract Unix socket, and those exist per network namespace: across
+    // namespaces every wake-up is lost (sendto fails with ECONNREFUSED, which
+    // UCX ignores), so the receiver would only see its data when the progress
+    // thread next woke on its own. Such a peer is another (simulated) node.
+    const bool same_net_namespace =
+        self_.net_namespace == 0 || p->id.net_namespace == 0 || p->id.net_namespace == self_.net_namespace;
+    const bool shm_possible = p->same_host && !self_.shm_address.empty() && !p->id.shm_address.empty();
+    const bool net_possible = !self_.net_address.empty() && !p->id.net_address.empty();
+    p->shm_expected = shm_possible && same_net_namespace;
+    if (shm_possible && p->pid_check && (same_net_namespace || !net_possible)) {
       p->shm = true;
+      p->shm_without_wakeups = !same_net_namespace;  // no other way: works, slowly (warned in SelfCheck)
     } else if (p->same_host) {
       if (self_.shm_address.empty()) {
         p->network_reason = "this rank has no shared-memory transport";
       } else if (p->id.shm_address.empty()) {
         p->network_reason = fmt::format("rank {} has no shared-memory transport", r);
+      } else if (!same_net_namespace) {
+        p->network_reason = "it runs in another network namespace (UCX's shared-memory wake-ups do not cross it)";
       } else {
         p->network_reason = "it runs in another PID namespace, where its death could not be detected";
       }
     }
-    if (!p->shm && (self_.net_address.empty() || p->id.net_address.empty())) {
+    if (!p->shm && !net_possible) {
       return Unavailable(
           "ucx: cannot reach rank {} on host {}: {}", r, p->id.hostname,
           p->same_host ? p->network_reason + ", and there is no common network transport"
@@ -1081,7 +1101,7 @@ void UcxTransport::Core::SelfCheck() {
     if (!p || p->ep == nullptr) continue;
     const EndpointPaths paths = ParseEndpointInfo(EndpointInfoText(p->ep));
     const std::string where = p->shm         ? "same host, shared memory"
-                              : p->same_host ? "same host, network"
+                              : p->same_host ? "same host, network: " + p->network_reason
                                              : "host " + p->id.hostname;
     const std::string death =
         p->shm ? fmt::format("pid check every {} ms", options_.liveness_interval.count())
@@ -1093,6 +1113,12 @@ void UcxTransport::Core::SelfCheck() {
     if (p->same_host && !p->shm && p->shm_expected) {
       spdlog::warn("ucx: rank {} -> rank {} is on this host but uses {} instead of shared memory: {}", self, p->rank,
                    paths.Lanes("am", "am_bw"), p->network_reason);
+    }
+    if (p->shm_without_wakeups) {
+      spdlog::warn(
+          "ucx: rank {} -> rank {} runs in another network namespace and the two have no common network transport: "
+          "shared memory, whose wake-ups do not cross network namespaces, so a message may wait up to {} ms",
+          self, p->rank, options_.liveness_interval.count());
     }
     if (p->shm && paths.HasNetworkLane()) {
       spdlog::warn("ucx: rank {} -> rank {} is on this host but UCX gave its endpoint a network lane ({})", self,

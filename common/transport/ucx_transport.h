@@ -19,17 +19,31 @@
 //   network lane (tcp is picked as the rendezvous lane between processes on
 //   one host when cma is excluded) aborts the process when that peer dies.
 // - address() is a small Tandem envelope around both packed worker
-//   addresses: host name, boot id, PID namespace, pid and process start time,
-//   so that Connect can tell same-host peers apart before it creates any
-//   endpoint. Peers on this host and in this PID namespace use the
-//   shared-memory worker; all others the network worker.
+//   addresses: host name, boot id, PID and network namespaces, pid and
+//   process start time, so that Connect can tell same-host peers apart before
+//   it creates any endpoint. Peers on this host and in this PID namespace and
+//   network namespace use the shared-memory worker; all others the network
+//   worker. The network namespace matters because UCX's shared-memory
+//   transports (posix, sysv) wake a sleeping receiver by a datagram to an
+//   abstract Unix socket, and abstract sockets belong to a network namespace:
+//   across namespaces (the simulated nodes of `tandem run`, containers) the
+//   sender's sendto fails with ECONNREFUSED, which UCX ignores, so every
+//   message waited for the receiver's next timed wake-up (liveness_interval:
+//   a round trip took 45-50 ms instead of 0.1 ms, and 1 s with a 1 s
+//   interval). Such peers go over the network (TCP over the namespaces' veth
+//   links), which wakes its receiver through the socket itself; only when
+//   the two have no common network transport do they fall back to shared
+//   memory, with a warning.
 // - One progress thread owns both workers (UCS_THREAD_MODE_SINGLE) and makes
 //   every UCX call after Create. Send, Recv, Wait and the Request destructor
 //   hand operations to it through a mutex-protected queue and wait on
 //   condition variables, so no caller ever drives UCX progress. The thread
 //   polls while there is traffic, then (UcxProgressMode::kAdaptive) sleeps
 //   in epoll on the workers' event descriptors (UCP_FEATURE_WAKEUP) and an
-//   eventfd for new work, waking at least every liveness_interval.
+//   eventfd for new work, waking at least every liveness_interval. That
+//   timed wake-up is for the liveness check, never for delivery: a message
+//   that only arrives with it is a lost wake-up (see network namespaces
+//   above), and shows as communication times in multiples of the interval.
 // - Tags: the 64-bit UCX tag is [63: user tag bit 63][62: internal]
 //   [61..40: sender rank][39..0: user tag bits 39..0], matched with a full
 //   mask, so messages of one (sender, receiver, tag) match in order and a
