@@ -246,7 +246,7 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
   view_ = std::make_shared<DataPlane::EpochView>(view);
   TANDEM_RETURN_IF_ERROR(PlanBuckets(view));
   const uint64_t before = completed_;
-  TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce(view) : ResyncFromServers(view));
+  TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce() : ResyncFromServers(view));
   synced_epoch_ = epoch;
   spdlog::info("epoch {}: rank {} of {} (node {} of {}), {} mode, {} buckets; resuming after step {}{}", epoch,
                view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
@@ -396,8 +396,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   return Status::Ok();
 }
 
-Status Runtime::ResyncAllReduce(const DataPlane::EpochView& view) {
-  (void)view;
+Status Runtime::ResyncAllReduce() {
   int64_t mine = static_cast<int64_t>(completed_);
   int64_t agreed = 0;
   TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)

@@ -183,7 +183,7 @@ class Runtime {
 
   Status Resync(const DataPlane::EpochView& view);
   Status ResyncFromServers(const DataPlane::EpochView& view);
-  Status ResyncAllReduce(const DataPlane::EpochView& view);
+  Status ResyncAllReduce();
   Status PlanBuckets(const DataPlane::EpochView& view);
   Status RunBucket(Bucket& bucket);
   Status FinishOnCommThread();

@@ -149,10 +149,6 @@ Status WriteParams(const std::string& path, std::span<const float> params) {
   return Status::Ok();
 }
 
-std::vector<v1::TensorSpec> TensorsOf(const model::Model& m) {
-  return m.Tensors();
-}
-
 struct TrainMetrics {
   explicit TrainMetrics(prometheus::Registry& r)
       : step(prometheus::BuildGauge()
@@ -423,7 +419,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   auto options = RuntimeOptionsOf(config);
   if (!options.ok()) return options.status();
   Runtime runtime(*options, plane);
-  TANDEM_RETURN_IF_ERROR(runtime.Attach(setup->model.params(), setup->model.grads(), TensorsOf(setup->model)));
+  TANDEM_RETURN_IF_ERROR(runtime.Attach(setup->model.params(), setup->model.grads(), setup->model.Tensors()));
   std::unique_ptr<TrainMetrics> metrics;
   if (hooks.registry != nullptr) metrics = std::make_unique<TrainMetrics>(*hooks.registry);
   std::FILE* progress = nullptr;
@@ -451,6 +447,14 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
                config.steps, setup->model.num_parameters(), setup->dataset.name(), setup->dataset.size(),
                config.context, config.global_batch, config.mode);
   const auto stopping = [&] { return hooks.stopping && hooks.stopping(); };
+  // A completed step, to the caller and (global rank 0) to the progress file.
+  const auto report = [&](const StepRecord& record) {
+    if (hooks.on_step) hooks.on_step(record);
+    if (progress != nullptr && record.rank == 0) {
+      std::fprintf(progress, "%s\n", ToJson(record).c_str());
+      std::fflush(progress);
+    }
+  };
   uint64_t retries = 0;
   uint32_t rank = 0;
   uint64_t completed_step = 0;  // by this worker's knowledge
@@ -480,11 +484,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       record.retries = retries;
       record.resynced = true;
       retries = 0;
-      if (hooks.on_step) hooks.on_step(record);
-      if (progress != nullptr && record.rank == 0) {
-        std::fprintf(progress, "%s\n", ToJson(record).c_str());
-        std::fflush(progress);
-      }
+      report(record);
     }
     completed_step = plan->step - 1;
     if (plan->step > static_cast<uint64_t>(config.steps)) break;
@@ -543,11 +543,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       metrics->comm_seconds.Increment(record.comm_seconds);
       metrics->exposed_seconds.Increment(record.exposed_seconds);
     }
-    if (hooks.on_step) hooks.on_step(record);
-    if (progress != nullptr && record.rank == 0) {
-      std::fprintf(progress, "%s\n", ToJson(record).c_str());
-      std::fflush(progress);
-    }
+    report(record);
   }
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());
@@ -565,7 +561,7 @@ Status TrainLocally(const TrainConfig& config, const std::function<void(const St
   if (!optimizer_config.ok()) return optimizer_config.status();
   auto optimizer = LocalOptimizer::Create(*optimizer_config, setup->model.num_parameters());
   if (!optimizer.ok()) return optimizer.status();
-  const auto tensors = TensorsOf(setup->model);
+  const auto tensors = setup->model.Tensors();
   for (uint64_t step = 1; step <= static_cast<uint64_t>(config.steps); ++step) {
     const auto t0 = Clock::now();
     auto share = ComputeShare(*setup, step, 0, 1, nullptr);
