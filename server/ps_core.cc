@@ -187,8 +187,11 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
     map_ = map;
     dp_size_ = std::max<uint32_t>(1, dp_size);
     start_step_ = start_step;
+    // A round this server shared may have been decided by another server
+    // before the change: keep it until it decides here too.
     for (auto it = rounds_.begin(); it != rounds_.end();) {
-      it = it->first.first < epoch ? rounds_.erase(it) : std::next(it);
+      const bool kept = it->second.shared && !it->second.decided;
+      it = it->first.first < epoch && !kept ? rounds_.erase(it) : std::next(it);
     }
     primaries_ = 0;
     other_servers_ = false;
@@ -240,8 +243,14 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       part.needs_transfer = role == v1::REPLICA_ROLE_PRIMARY && part.backup != 0 && part.state.version > 0 &&
                             (!was_primary || part.backup != old_backup || part.safe_step < part.state.step);
       part.links_ready = false;
-      part.agg_epoch = 0;
-      part.ready = false;
+      // A finished aggregation stays while the partition stays here as
+      // primary: its step may be decided (or already be, with the update
+      // not yet applied) from the old epoch's shares. New pushes of the step
+      // replace it.
+      if (!(part.ready && role == v1::REPLICA_ROLE_PRIMARY && was_primary)) {
+        part.agg_epoch = 0;
+        part.ready = false;
+      }
       part.early.clear();
       part.clocks.clear();
       if (role == v1::REPLICA_ROLE_PRIMARY && part.backup == 0) part.safe_step = part.state.step;
@@ -300,6 +309,11 @@ void ParameterStore::LinksReady(uint64_t epoch) {
     std::lock_guard lock(mu_);
     if (epoch != epoch_) return;
     for (auto& [id, part] : parts_) parts.push_back(part);
+    // The last share of the old epoch may have died with its links while a
+    // server that had not decided the step yet still waits for it.
+    if (other_servers_ && last_shared_.epoch != 0 && last_shared_.epoch < epoch) {
+      actions.push_back([this, sent = last_shared_] { links_->SendShare(sent.epoch, sent.step, sent.entries); });
+    }
   }
   for (auto& part : parts) {
     std::lock_guard plock(part->mu);
@@ -1058,7 +1072,9 @@ void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions)
     }
   }
   round.shared = true;
+  round.dp = dp_size_;
   for (const auto& e : entries) round.entries.emplace(e.partition, e);
+  last_shared_ = SentShare{epoch, step, entries};
   if (other_servers_) {
     actions.push_back([this, epoch, step, entries = std::move(entries)] { links_->SendShare(epoch, step, entries); });
   }
@@ -1076,10 +1092,17 @@ void ParameterStore::Share(uint64_t from, const ps::Frame& h, const void* payloa
   Actions actions;
   {
     std::lock_guard lock(mu_);
-    if (h.epoch < epoch_) return;
-    Round& round = rounds_[{h.epoch, h.step}];
-    for (const auto& e : entries) round.entries.emplace(e.partition, e);
-    if (h.epoch == epoch_) MaybeDecide(h.epoch, h.step, actions);
+    if (h.epoch < epoch_) {
+      // Only a round kept from an old epoch still takes its shares.
+      auto it = rounds_.find({h.epoch, h.step});
+      if (it == rounds_.end() || it->second.decided) return;
+      for (const auto& e : entries) it->second.entries.emplace(e.partition, e);
+      MaybeDecide(h.epoch, h.step, actions);
+    } else {
+      Round& round = rounds_[{h.epoch, h.step}];
+      for (const auto& e : entries) round.entries.emplace(e.partition, e);
+      if (h.epoch == epoch_) MaybeDecide(h.epoch, h.step, actions);
+    }
   }
   Run(actions);
 }
@@ -1105,7 +1128,9 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
     finite = finite && e.finite != 0;
   }
   finite = finite && std::isfinite(total);
-  const double divisor = optimizer_->reduction() == v1::GRADIENT_REDUCTION_SUM ? 1.0 : static_cast<double>(dp_size_);
+  const double divisor = optimizer_->reduction() == v1::GRADIENT_REDUCTION_SUM
+                             ? 1.0
+                             : static_cast<double>(std::max<uint32_t>(1, round.dp));
   double coef = 1.0;
   const double max_norm = optimizer_->max_grad_norm();
   const double norm = std::sqrt(total) / divisor;
@@ -1139,12 +1164,14 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
   Actions actions;
   std::vector<uint32_t> completed;
   for (auto& part : parts) {
+    // A step decided in an old epoch replicates in the current one.
+    const uint64_t current = this->epoch();  // before the partition's lock (lock order)
     std::lock_guard plock(part->mu);
     if (part->agg_epoch != epoch || part->agg_step != step || !part->ready || part->state.step + 1 != step) continue;
     ps::Frame rep;
     rep.type = ps::FrameType::kReplica;
     rep.partition = part->state.id;
-    rep.epoch = epoch;
+    rep.epoch = current;
     rep.step = step;
     rep.version = part->state.version;
     rep.value = grad_scale;
@@ -1249,6 +1276,17 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
                part->role == v1::REPLICA_ROLE_PRIMARY) {
       spdlog::warn("partition {}: the backup refused an update ({}); sending it the whole state", partition,
                    status.message());
+      if (part->links_ready) SendTransferLocked(*part, actions);
+    } else if (!current && part->role == v1::REPLICA_ROLE_PRIMARY && part->backup != 0 &&
+               part->safe_step < part->state.step) {
+      // An update sent as the epoch changed (applied after the new epoch had
+      // looked at what the backup lacks): the backup gets the whole state on
+      // the new epoch's links.
+      spdlog::info(
+          "partition {}: step {} did not reach the backup before the epoch changed ({}); sending it the "
+          "whole state",
+          partition, step, status.message());
+      part->needs_transfer = true;
       if (part->links_ready) SendTransferLocked(*part, actions);
     } else {
       spdlog::warn("partition {}: replicating step {} failed: {} (waiting for the next epoch)", partition, step,

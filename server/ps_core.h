@@ -26,12 +26,18 @@
 //    and answers the pulls waiting for the step once the backup has applied
 //    it too. A single server decides alone.
 //
-// A membership change (new epoch) discards every step not yet decided:
-// accumulators are dropped, waiting pulls fail with ABORTED, and workers push
-// the step again in the new epoch. A step that was decided stays applied on
-// the partitions that applied it (their new pushes are duplicates) and is
-// applied from the new pushes on the rest, which gives the same result
-// because the gradients and the order of summation are the same.
+// A membership change (new epoch) fails waiting pulls with ABORTED. A step
+// whose aggregation this server had not finished is discarded: no server can
+// have decided it, and workers push it again in the new epoch. A step this
+// server had shared may have been decided elsewhere, so it is kept: its
+// accumulators stay, shares of it from the old epoch are still taken, and
+// on the new epoch's links every server sends its last share again. So a
+// step decided on one server before the change is decided and applied on
+// every server from the same gradients, without new pushes (the workers see
+// it applied somewhere and do not push it again). New pushes of a kept step
+// replace its accumulator (no server had decided it); a partition that
+// already applied a step treats new pushes of it as duplicates and shares
+// its decided share again.
 //
 // Asynchronous and bounded-staleness modes apply each push on arrival
 // (scaled like a mean over the data-parallel world), per partition; bounded
@@ -83,7 +89,8 @@ class ServerLinks {
  public:
   virtual ~ServerLinks() = default;
   // This server's share of a sync step, to every other server holding
-  // primaries in the epoch.
+  // primaries, over the current epoch's links (`epoch` is the step's, which
+  // may be an older one whose step is still being decided).
   virtual void SendShare(uint64_t epoch, uint64_t step, const std::vector<ps::ShareEntry>& entries) = 0;
   // An update (or a state transfer) for `backup`; `done` runs with the
   // backup's answer (or the failure to reach it). `payload` stays alive
@@ -134,7 +141,8 @@ class ParameterStore {
   // --- membership ---------------------------------------------------------
   // Adopts an epoch: which partitions this server (`member_id`) holds and as
   // what, the data-parallel size (the mean's divisor) and the step the epoch
-  // starts from. Steps not yet decided are discarded; pulls waiting fail with
+  // starts from. Steps this server had not shared are discarded (shared ones
+  // are kept: another server may have decided them); pulls waiting fail with
   // ABORTED. Older epochs are ignored.
   void SetEpoch(uint64_t epoch, uint64_t member_id, const v1::ShardMap& map, uint32_t dp_size, uint64_t start_step);
   // The links to the other servers of the current epoch are up: sends the
@@ -255,6 +263,13 @@ class ParameterStore {
     std::map<uint32_t, ps::ShareEntry> entries;  // by partition
     bool shared = false;                         // this server sent its share
     bool decided = false;
+    uint32_t dp = 1;  // data-parallel size when this server shared (the mean's divisor)
+  };
+  // The last share this server sent, sent again on a new epoch's links.
+  struct SentShare {
+    uint64_t epoch = 0;
+    uint64_t step = 0;
+    std::vector<ps::ShareEntry> entries;
   };
   using Actions = std::vector<std::function<void()>>;
 
@@ -323,6 +338,7 @@ class ParameterStore {
   bool other_servers_ TANDEM_GUARDED_BY(mu_) = false;  // another server holds primaries
   std::map<uint32_t, std::shared_ptr<Part>> parts_ TANDEM_GUARDED_BY(mu_);
   std::map<std::pair<uint64_t, uint64_t>, Round> rounds_ TANDEM_GUARDED_BY(mu_);  // (epoch, step)
+  SentShare last_shared_ TANDEM_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
 };
 

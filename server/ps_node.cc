@@ -576,7 +576,8 @@ void PsNode::OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const S
 
 void PsNode::SendShare(uint64_t epoch, uint64_t step, const std::vector<ps::ShareEntry>& entries) {
   auto group = Current();
-  if (!group || group->epoch != epoch) return;
+  // A share of an older epoch's step goes over the current links.
+  if (!group || group->epoch < epoch) return;
   ps::Frame h;
   h.type = ps::FrameType::kShare;
   h.epoch = epoch;

@@ -37,6 +37,7 @@ class Cluster : public ServerLinks {
       h.step = step;
       h.contributors = static_cast<uint32_t>(entries.size());
       h.payload_bytes = entries.size() * sizeof(ps::ShareEntry);
+      if (cluster_->drop_shares) return;  // lost with the links
       for (auto& [id, node] : cluster_->nodes) {
         if (id != self_ && node->alive) node->store->Share(self_, h, entries.data());
       }
@@ -102,6 +103,7 @@ class Cluster : public ServerLinks {
   }
 
   std::map<uint64_t, std::unique_ptr<Node>> nodes;
+  bool drop_shares = false;
   bool hold_replicas = false;
   std::vector<std::function<void()>> held;
 };
@@ -535,6 +537,83 @@ TEST_F(PsCoreTest, AnUpdateLostWithTheOldEpochIsSentAgainAsTheWholeState) {
   ExpectReplicasEqual();
   const auto reference = ReferenceRun(job, 4, 2);
   ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
+// A worker joins while step 2 is being decided: server 101 got 102's share,
+// decided and applied step 2, but its own share died with the old links.
+// The workers see step 2 applied on 101 and do not push it again; 102 must
+// still apply it, from the same gradients.
+TEST_F(PsCoreTest, AStepDecidedOnOneServerAsTheEpochChangesIsAppliedOnEvery) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  auto push_step_2 = [&](uint64_t server) {
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      if (map_.partitions(static_cast<int>(p)).primary_member_id() != server) continue;
+      auto [b, e] = Range(p);
+      for (uint32_t c = 0; c < 2; ++c) ASSERT_TRUE(Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e))->status().ok());
+    }
+  };
+  push_step_2(kFirstServer + 1);  // 102 shares with 101
+  cluster_.drop_shares = true;
+  push_step_2(kFirstServer);  // 101 decides; its share is lost
+  cluster_.drop_shares = false;
+  EXPECT_EQ(cluster_[kFirstServer].Stats({0}).partitions(0).step(), 2u);
+  EXPECT_EQ(cluster_[kFirstServer + 1].Stats({1}).partitions(0).step(), 1u);
+  // The joiner makes the data-parallel size 3; step 2 keeps the mean over 2.
+  SetEpoch(2, /*dp=*/3);
+  std::vector<float> params = PullAll(2);
+  ExpectReplicasEqual();
+  auto reference = ReferenceRun(job, 2, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  SetEpoch(3, /*dp=*/2);
+  for (uint64_t s = 3; s <= 4; ++s) params = RunStep(s, 2);
+  ExpectReplicasEqual();
+  reference = ReferenceRun(job, 4, 2);
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
+// Both servers shared step 2 but every share was lost: neither decided, the
+// shares sent again on the new links decide it, and the workers' new pushes
+// of step 2 are duplicates.
+TEST_F(PsCoreTest, SharesLostWithTheOldLinksAreSentAgain) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  cluster_.drop_shares = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) ASSERT_TRUE(Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e))->status().ok());
+  }
+  cluster_.drop_shares = false;
+  EXPECT_EQ(cluster_[kFirstServer].Stats({0}).partitions(0).step(), 1u);
+  SetEpoch(2);
+  const uint64_t duplicates_before = cluster_[kFirstServer].counters().duplicate_pushes.load();
+  std::vector<float> params;
+  for (uint64_t s = 2; s <= 4; ++s) params = RunStep(s, 2);
+  EXPECT_GT(cluster_[kFirstServer].counters().duplicate_pushes.load(), duplicates_before);
+  ExpectReplicasEqual();
+  const auto reference = ReferenceRun(job, 4, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
+// A step no server had finished aggregating is discarded with the old epoch
+// and pushed again from scratch.
+TEST_F(PsCoreTest, AStepNotYetSharedIsPushedAgainInTheNewEpoch) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    ASSERT_TRUE(Push(PrimaryOf(p), 1, 2, p, 0, 2, Grad(2, 0, b, e))->status().ok());
+  }
+  SetEpoch(2);
+  std::vector<float> params;
+  for (uint64_t s = 2; s <= 3; ++s) params = RunStep(s, 2);
+  const auto reference = ReferenceRun(job, 3, 2);
   EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
 }
 
