@@ -6,12 +6,18 @@
 // they become final, from the end of the flat buffer down; activation
 // checkpointing gives bit-identical losses and gradients in less memory; and
 // a few hundred SGD steps on a small repetitive text drive the loss well down.
+// Pipeline stages: the split is balanced and covers the flat buffer, each
+// stage initialises to the whole model's values, and stages chained by hand
+// (with micro-batches in separate slots, backward in any order) give the
+// whole model's losses and gradients bit for bit.
 #include "worker/model/model.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <set>
@@ -468,6 +474,136 @@ TEST(ModelTest, SgdOnRepetitiveTextDrivesTheLossDown) {
   }
   EXPECT_NEAR(first, std::log(256.0f), 0.05f);
   EXPECT_LT(last, 1.0f) << "first loss " << first;
+}
+
+TEST(ModelTest, PipelineStagesSplitTheBlocksAndCoverTheBuffer) {
+  ModelConfig c = Tiny();
+  c.layers = 6;
+  for (int stages = 1; stages <= c.layers; ++stages) {
+    c.pipeline_stages = stages;
+    const std::vector<StagePlan> plan = PlanStages(c);
+    ASSERT_EQ(plan.size(), static_cast<size_t>(stages));
+    EXPECT_EQ(plan.front().first_block, 0);
+    EXPECT_EQ(plan.back().end_block, c.layers);
+    EXPECT_EQ(plan.front().flat_begin, 0u);
+    EXPECT_TRUE(plan.front().embeddings);
+    EXPECT_TRUE(plan.back().head);
+    double total = 0, largest = 0;
+    for (size_t s = 0; s < plan.size(); ++s) {
+      EXPECT_LT(plan[s].first_block, plan[s].end_block) << "stage " << s << " of " << stages;
+      if (s > 0) {
+        EXPECT_EQ(plan[s].first_block, plan[s - 1].end_block);
+        EXPECT_EQ(plan[s].flat_begin, plan[s - 1].flat_end);
+      }
+      total += plan[s].cost;
+      largest = std::max(largest, plan[s].cost);
+    }
+    const auto layout = TensorLayout(c);
+    EXPECT_EQ(plan.back().flat_end, layout.back().offset + layout.back().size);
+    // Balanced: no split into contiguous runs of blocks has a cheaper most
+    // expensive stage (every split tried).
+    const double C = c.d_model, T = c.context, V = c.vocab, F = 4 * C;
+    const double block = 3 * C * C + C * C + 2 * F * C + T * C, head = C * V + 2 * V, embed = C;
+    double optimum = std::numeric_limits<double>::infinity();
+    std::vector<int> cuts;
+    std::function<void(int)> search = [&](int from) {
+      if (static_cast<int>(cuts.size()) == stages - 1) {
+        double worst = 0;
+        int first = 0;
+        for (int s = 0; s < stages; ++s) {
+          const int end = s + 1 < stages ? cuts[s] : c.layers;
+          worst = std::max(worst, (end - first) * block + (s == 0 ? embed : 0) + (s == stages - 1 ? head : 0));
+          first = end;
+        }
+        optimum = std::min(optimum, worst);
+        return;
+      }
+      for (int cut = from; cut < c.layers; ++cut) {
+        cuts.push_back(cut);
+        search(cut + 1);
+        cuts.pop_back();
+      }
+    };
+    search(1);
+    EXPECT_NEAR(largest, optimum, 1e-9 * optimum) << stages << " stages";
+    EXPECT_NEAR(total, c.layers * block + embed + head, 1e-9 * total);
+  }
+  c.pipeline_stages = 7;
+  EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
+  c.pipeline_stages = 3;
+  c.pipeline_stage = 3;
+  EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {
+  ModelConfig c = Tiny();
+  c.layers = 4;
+  for (bool checkpointing : {false, true}) {
+    c.activation_checkpointing = checkpointing;
+    auto whole = Model::Create(c);
+    ASSERT_TRUE(whole.ok());
+    const int micro = 3, batch = 2;
+    const size_t n = size_t{batch} * 8;
+    const std::vector<uint8_t> tokens = RandomBytes(micro * n, 21), targets = RandomBytes(micro * n, 22);
+    std::vector<float> want_loss;
+    for (int m = 0; m < micro; ++m) {
+      auto loss = whole->Forward(tokens.data() + m * n, targets.data() + m * n, batch);
+      ASSERT_TRUE(loss.ok());
+      want_loss.push_back(*loss);
+      ASSERT_TRUE(whole->Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 1.0f / micro).ok());
+    }
+    for (int stages : {2, 3}) {
+      c.pipeline_stages = stages;
+      std::vector<Model> pipe;
+      for (int s = 0; s < stages; ++s) {
+        c.pipeline_stage = s;
+        auto stage = Model::Create(c);
+        ASSERT_TRUE(stage.ok());
+        stage->SetSlots(micro);
+        // The stage starts from the whole model's values at its range.
+        ASSERT_TRUE(Bitwise(stage->params(), std::span<const float>(whole->params().data() + stage->flat_begin(),
+                                                                    stage->num_parameters())));
+        pipe.push_back(std::move(*stage));
+      }
+      // All forwards (each micro-batch in its slot), then the backwards in
+      // micro-batch order, the order the whole model accumulated in.
+      std::vector<float> got_loss(micro);
+      for (int m = 0; m < micro; ++m) {
+        const float* x = nullptr;
+        for (int s = 0; s < stages; ++s) {
+          auto loss = pipe[s].Forward(tokens.data() + m * n, targets.data() + m * n, batch, m, x);
+          ASSERT_TRUE(loss.ok()) << loss.status().ToString();
+          if (s == stages - 1) got_loss[m] = *loss;
+          x = pipe[s].output(m).data();
+        }
+      }
+      for (int m = 0; m < micro; ++m) EXPECT_EQ(got_loss[m], want_loss[m]) << "micro-batch " << m;
+      for (int m = 0; m < micro; ++m) {
+        const float* dy = nullptr;
+        for (int s = stages - 1; s >= 0; --s) {
+          ASSERT_TRUE(
+              pipe[s].Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 1.0f / micro, nullptr, m, dy)
+                  .ok());
+          dy = pipe[s].input_grad(m).data();
+        }
+      }
+      for (int s = 0; s < stages; ++s) {
+        EXPECT_TRUE(Bitwise(pipe[s].grads(), std::span<const float>(whole->grads().data() + pipe[s].flat_begin(),
+                                                                    pipe[s].num_parameters())))
+            << stages << " stages, stage " << s << (checkpointing ? ", checkpointing" : "");
+      }
+      // A stage before the last needs its output's gradient; one after the
+      // first needs an input.
+      EXPECT_EQ(pipe[0].Backward(GradMode::kOverwrite, 1.0f, nullptr, 0, nullptr).code(),
+                StatusCode::kFailedPrecondition);
+      EXPECT_EQ(pipe[1].Forward(tokens.data(), targets.data(), batch, 0, nullptr).status().code(),
+                StatusCode::kInvalidArgument);
+      EXPECT_EQ(pipe[0].Forward(tokens.data(), targets.data(), batch, micro, nullptr).status().code(),
+                StatusCode::kInvalidArgument);
+    }
+    c.pipeline_stages = 1;
+    c.pipeline_stage = 0;
+  }
 }
 
 }  // namespace

@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numbers>
 #include <random>
 
@@ -243,6 +244,14 @@ Status ModelConfig::Validate() const {
   }
   if (layers < 1 || layers > 1024) return InvalidArgument("model layers: must be 1 to 1024, got {}", layers);
   if (mlp_ratio < 1 || mlp_ratio > 64) return InvalidArgument("model mlp_ratio: must be 1 to 64, got {}", mlp_ratio);
+  if (pipeline_stages < 1 || pipeline_stages > layers) {
+    return InvalidArgument("model pipeline_stages: must be 1 to layers ({}): each stage holds at least one block, got {}",
+                           layers, pipeline_stages);
+  }
+  if (pipeline_stage < 0 || pipeline_stage >= pipeline_stages) {
+    return InvalidArgument("model pipeline_stage: must be 0 to pipeline_stages - 1 ({}), got {}", pipeline_stages - 1,
+                           pipeline_stage);
+  }
   if (blas_threads < 0 || blas_threads > 1024) {
     return InvalidArgument("model blas_threads: must be 0 (leave as is) to 1024, got {}", blas_threads);
   }
@@ -288,6 +297,55 @@ std::vector<TensorInfo> TensorLayout(const ModelConfig& config) {
   return out;
 }
 
+std::vector<StagePlan> PlanStages(const ModelConfig& config) {
+  const int L = config.layers, P = config.pipeline_stages;
+  const double C = config.d_model, T = config.context, V = config.vocab, F = static_cast<double>(config.mlp_ratio) * C;
+  // Forward multiply-adds per token: a block's four linear layers and its
+  // attention (q·k and att·v over T/2 positions on average); the head's
+  // linear layer and softmax; the embeddings' lookup and sum.
+  const double block = 3 * C * C + C * C + 2 * F * C + T * C;
+  const double head = C * V + 2 * V;
+  const double embed = C;
+  auto cost = [&](int first, int end, int stage) {
+    return (end - first) * block + (stage == 0 ? embed : 0) + (stage == P - 1 ? head : 0);
+  };
+  // best[p][l]: the smallest largest-stage cost of blocks [0, l) in stages
+  // [0, p); cut[p][l] the first block of stage p - 1 in it.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(P + 1, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<int>> cut(P + 1, std::vector<int>(L + 1, 0));
+  best[0][0] = 0;
+  for (int p = 1; p <= P; ++p) {
+    for (int l = p; l <= L; ++l) {
+      for (int f = p - 1; f < l; ++f) {
+        const double c = std::max(best[p - 1][f], cost(f, l, p - 1));
+        if (c < best[p][l]) {
+          best[p][l] = c;
+          cut[p][l] = f;
+        }
+      }
+    }
+  }
+  std::vector<StagePlan> stages(P);
+  for (int p = P, l = L; p >= 1; l = cut[p][l], --p) {
+    stages[p - 1].first_block = cut[p][l];
+    stages[p - 1].end_block = l;
+  }
+  const std::vector<TensorInfo> layout = TensorLayout(config);
+  const size_t per_block = (layout.size() - 5) / static_cast<size_t>(L);  // 2 embeddings, 3 head tensors
+  for (int p = 0; p < P; ++p) {
+    StagePlan& s = stages[p];
+    s.embeddings = p == 0;
+    s.head = p == P - 1;
+    const size_t first = s.embeddings ? 0 : 2 + per_block * static_cast<size_t>(s.first_block);
+    const size_t last = s.head ? layout.size() - 1 : 2 + per_block * static_cast<size_t>(s.end_block) - 1;
+    s.flat_begin = layout[first].offset;
+    s.flat_end = layout[last].offset + layout[last].size;
+    s.cost = cost(s.first_block, s.end_block, p);
+  }
+  return stages;
+}
+
 void SetBlasThreads(int threads) {
 #ifdef TANDEM_HAVE_OPENBLAS
   openblas_set_num_threads(std::max(threads, 1));
@@ -296,8 +354,9 @@ void SetBlasThreads(int threads) {
 #endif
 }
 
-Model::Model(const ModelConfig& config) : config_(config), layout_(TensorLayout(config)) {
-  const size_t n = layout_.back().offset + layout_.back().size;
+Model::Model(const ModelConfig& config)
+    : config_(config), layout_(TensorLayout(config)), stage_(PlanStages(config)[config.pipeline_stage]) {
+  const size_t n = stage_.flat_end - stage_.flat_begin;
   params_.assign(n, 0.0f);
   grads_.assign(n, 0.0f);
 }
@@ -316,8 +375,13 @@ void Model::Initialize() {
   auto ends_with = [](const std::string& s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
+  // The whole model's values in layout order (the same random stream for
+  // every stage); a stage keeps its range.
   for (const TensorInfo& t : layout_) {
-    float* p = params_.data() + t.offset;
+    const bool mine = t.offset >= stage_.flat_begin && t.offset < stage_.flat_end;
+    std::vector<float> discard;
+    if (!mine) discard.resize(t.size);
+    float* p = mine ? params_.data() + (t.offset - stage_.flat_begin) : discard.data();
     const bool layer_norm = t.name.find("ln1.") != std::string::npos || t.name.find("ln2.") != std::string::npos ||
                             t.name.starts_with("ln_f.");
     if (ends_with(t.name, ".bias")) {
@@ -336,12 +400,13 @@ std::vector<v1::TensorSpec> Model::Tensors() const {
   std::vector<v1::TensorSpec> out;
   out.reserve(layout_.size());
   for (const TensorInfo& t : layout_) {
+    if (t.offset < stage_.flat_begin || t.offset >= stage_.flat_end) continue;
     v1::TensorSpec& spec = out.emplace_back();
     spec.set_name(t.name);
     for (int64_t d : t.shape) spec.add_shape(d);
     spec.set_dtype(v1::DTYPE_FLOAT32);
     spec.set_group(t.no_decay ? "no_decay" : "");
-    spec.set_flat_offset(t.offset);
+    spec.set_flat_offset(t.offset - stage_.flat_begin);
   }
   return out;
 }
@@ -352,8 +417,13 @@ void Model::ZeroGrads() {
 
 Model::TensorViews Model::Bind(float* base) const {
   // Follows TensorLayout's order; the layout is the single source of offsets.
+  // Tensors of other stages get no pointer.
   size_t i = 0;
-  auto next = [&]() { return base + layout_[i++].offset; };
+  auto next = [&]() -> float* {
+    const TensorInfo& t = layout_[i++];
+    if (t.offset < stage_.flat_begin || t.offset >= stage_.flat_end) return nullptr;
+    return base + (t.offset - stage_.flat_begin);
+  };
   TensorViews v{};
   v.wte = next();
   v.wpe = next();
@@ -381,11 +451,12 @@ Model::TensorViews Model::Bind(float* base) const {
 void Model::EnsureWorkspace(int batch) {
   if (batch == batch_) return;
   batch_ = batch;
-  const size_t L = static_cast<size_t>(config_.layers), B = static_cast<size_t>(batch);
+  const size_t L = static_cast<size_t>(stage_.end_block - stage_.first_block), B = static_cast<size_t>(batch);
   const size_t T = static_cast<size_t>(config_.context), C = static_cast<size_t>(config_.d_model);
   const size_t H = static_cast<size_t>(config_.heads), V = static_cast<size_t>(config_.vocab);
   const size_t F = static_cast<size_t>(config_.mlp_ratio) * C, N = B * T;
   const size_t slots = config_.activation_checkpointing ? 1 : L;
+  const size_t head = stage_.head ? 1 : 0;
   Reallocate(tokens_, N);
   Reallocate(targets_, N);
   Reallocate(encoded_, N * C);
@@ -402,22 +473,90 @@ void Model::EnsureWorkspace(int batch) {
   Reallocate(fch_, slots * N * F);
   Reallocate(fch_gelu_, slots * N * F);
   Reallocate(res_mlp_, L * N * C);
-  Reallocate(lnf_, N * C);
-  Reallocate(lnf_mean_, N);
-  Reallocate(lnf_rstd_, N);
-  Reallocate(logits_, N * V);
-  Reallocate(probs_, N * V);
+  Reallocate(lnf_, head * N * C);
+  Reallocate(lnf_mean_, head * N);
+  Reallocate(lnf_rstd_, head * N);
+  Reallocate(logits_, head * N * V);
+  Reallocate(probs_, head * N * V);
   Reallocate(dres_, N * C);
   Reallocate(dln_, N * C);
   Reallocate(datty_, N * C);
   Reallocate(dqkv_, N * 3 * C);
   Reallocate(dfch_, N * F);
   Reallocate(datt_, T * T);
-  Reallocate(dlogits_, N * V);
+  Reallocate(dlogits_, head * N * V);
+}
+
+void Model::Swap(Workspace& w) {
+  std::swap(batch_, w.batch);
+  std::swap(have_targets_, w.have_targets);
+  tokens_.swap(w.tokens);
+  targets_.swap(w.targets);
+  encoded_.swap(w.encoded);
+  ln1_.swap(w.ln1);
+  ln1_mean_.swap(w.ln1_mean);
+  ln1_rstd_.swap(w.ln1_rstd);
+  qkv_.swap(w.qkv);
+  att_.swap(w.att);
+  atty_.swap(w.atty);
+  res_att_.swap(w.res_att);
+  ln2_.swap(w.ln2);
+  ln2_mean_.swap(w.ln2_mean);
+  ln2_rstd_.swap(w.ln2_rstd);
+  fch_.swap(w.fch);
+  fch_gelu_.swap(w.fch_gelu);
+  res_mlp_.swap(w.res_mlp);
+  lnf_.swap(w.lnf);
+  lnf_mean_.swap(w.lnf_mean);
+  lnf_rstd_.swap(w.lnf_rstd);
+  logits_.swap(w.logits);
+  probs_.swap(w.probs);
+  dres_.swap(w.dres);
+  dln_.swap(w.dln);
+  datty_.swap(w.datty);
+  dqkv_.swap(w.dqkv);
+  dfch_.swap(w.dfch);
+  datt_.swap(w.datt);
+  dlogits_.swap(w.dlogits);
+}
+
+void Model::UseSlot(int slot) {
+  if (slot == current_) return;
+  Swap(stored_[static_cast<size_t>(current_)]);  // the members go back to their slot
+  Swap(stored_[static_cast<size_t>(slot)]);
+  current_ = slot;
+}
+
+void Model::SetSlots(int slots) {
+  UseSlot(0);
+  stored_.resize(static_cast<size_t>(std::max(slots, 1)));
+}
+
+std::span<const float> Model::output(int slot) {
+  UseSlot(slot);
+  if (stage_.head || batch_ == 0) return {};
+  const size_t n = static_cast<size_t>(batch_) * static_cast<size_t>(config_.context) * config_.d_model;
+  const size_t last = static_cast<size_t>(stage_.end_block - stage_.first_block - 1);
+  return {res_mlp_.data() + last * n, n};
+}
+
+std::span<const float> Model::input_grad(int slot) {
+  UseSlot(slot);
+  if (stage_.embeddings || batch_ == 0) return {};
+  return {dres_.data(), dres_.size()};
 }
 
 size_t Model::activation_bytes() const {
   size_t bytes = tokens_.capacity() + targets_.capacity();
+  for (const Workspace& w : stored_) {
+    bytes += w.tokens.capacity() + w.targets.capacity();
+    for (const std::vector<float>* v :
+         {&w.encoded,  &w.ln1,      &w.ln1_mean, &w.ln1_rstd, &w.qkv,     &w.att,  &w.atty,     &w.res_att,  &w.ln2,
+          &w.ln2_mean, &w.ln2_rstd, &w.fch,      &w.fch_gelu, &w.res_mlp, &w.lnf,  &w.lnf_mean, &w.lnf_rstd, &w.logits,
+          &w.probs,    &w.dres,     &w.dln,      &w.datty,    &w.dqkv,    &w.dfch, &w.datt,     &w.dlogits}) {
+      bytes += v->capacity() * sizeof(float);
+    }
+  }
   for (const std::vector<float>* v :
        {&encoded_,  &ln1_,      &ln1_mean_, &ln1_rstd_, &qkv_,     &att_,  &atty_,     &res_att_,  &ln2_,
         &ln2_mean_, &ln2_rstd_, &fch_,      &fch_gelu_, &res_mlp_, &lnf_,  &lnf_mean_, &lnf_rstd_, &logits_,
@@ -428,7 +567,7 @@ size_t Model::activation_bytes() const {
 }
 
 Model::BlockActivations Model::Activations(int l) {
-  const size_t slot = config_.activation_checkpointing ? 0 : static_cast<size_t>(l);
+  const size_t slot = config_.activation_checkpointing ? 0 : static_cast<size_t>(l - stage_.first_block);
   const size_t C = static_cast<size_t>(config_.d_model), F = static_cast<size_t>(config_.mlp_ratio) * C;
   const size_t T = static_cast<size_t>(config_.context), H = static_cast<size_t>(config_.heads);
   const size_t N = static_cast<size_t>(batch_) * T;
@@ -462,39 +601,58 @@ void Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, con
   GeluForward(a.fch_gelu, a.fch, N * F);
 }
 
-Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch) {
+Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot,
+                             const float* input) {
   if (batch < 1) return InvalidArgument("model forward: batch must be at least 1, got {}", batch);
-  if (tokens == nullptr) return InvalidArgument("model forward: no tokens");
+  if (slot < 0 || slot >= slots()) {
+    return InvalidArgument("model forward: slot {} is not below the model's {} slots", slot, slots());
+  }
+  if (stage_.embeddings && tokens == nullptr) return InvalidArgument("model forward: no tokens");
+  if (!stage_.embeddings && input == nullptr) {
+    return InvalidArgument("model forward: pipeline stage {} needs the previous stage's output as its input",
+                           config_.pipeline_stage);
+  }
   const int T = config_.context, C = config_.d_model, V = config_.vocab;
   const int F = config_.mlp_ratio * C;
   const size_t N = static_cast<size_t>(batch) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
   for (size_t i = 0; i < N; ++i) {
-    if (tokens[i] >= V) return InvalidArgument("model forward: token {} at {} is not below vocab {}", tokens[i], i, V);
-    if (targets != nullptr && targets[i] >= V) {
+    if (stage_.embeddings && tokens[i] >= V) {
+      return InvalidArgument("model forward: token {} at {} is not below vocab {}", tokens[i], i, V);
+    }
+    if (stage_.head && targets != nullptr && targets[i] >= V) {
       return InvalidArgument("model forward: target {} at {} is not below vocab {}", targets[i], i, V);
     }
   }
+  UseSlot(slot);
   EnsureWorkspace(batch);
   have_targets_ = false;
-  std::copy(tokens, tokens + N, tokens_.begin());
   const TensorViews p = Bind(params_.data());
 
-  for (size_t i = 0; i < N; ++i) {
-    const float* te = p.wte + static_cast<size_t>(tokens[i]) * C;
-    const float* pe = p.wpe + (i % static_cast<size_t>(T)) * C;
-    float* x = encoded_.data() + i * C;
-    for (int j = 0; j < C; ++j) x[j] = te[j] + pe[j];
+  if (stage_.embeddings) {
+    std::copy(tokens, tokens + N, tokens_.begin());
+    for (size_t i = 0; i < N; ++i) {
+      const float* te = p.wte + static_cast<size_t>(tokens[i]) * C;
+      const float* pe = p.wpe + (i % static_cast<size_t>(T)) * C;
+      float* x = encoded_.data() + i * C;
+      for (int j = 0; j < C; ++j) x[j] = te[j] + pe[j];
+    }
+  } else {
+    std::copy(input, input + N * static_cast<size_t>(C), encoded_.begin());
   }
   const float* residual = encoded_.data();
-  for (int l = 0; l < config_.layers; ++l) {
+  for (int l = stage_.first_block; l < stage_.end_block; ++l) {
     const BlockTensors& w = p.blocks[static_cast<size_t>(l)];
     const BlockActivations a = Activations(l);
-    float* res_mlp = res_mlp_.data() + static_cast<size_t>(l) * N * C;
+    float* res_mlp = res_mlp_.data() + static_cast<size_t>(l - stage_.first_block) * N * C;
     BlockInternals(w, a, residual);
     LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
     for (size_t i = 0; i < N * C; ++i) res_mlp[i] += a.res_att[i];
     residual = res_mlp;
+  }
+  if (!stage_.head) {
+    have_targets_ = true;  // Backward takes the output's gradient instead of targets
+    return 0.0f;
   }
   LayerNormForward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), residual, p.lnf_w, p.lnf_b, n, C);
   LinearForward(logits_.data(), lnf_.data(), p.head_w, nullptr, n, C, V);
@@ -520,9 +678,18 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   return static_cast<float>(loss / static_cast<double>(N));
 }
 
-Status Model::Backward(GradMode mode, float scale, const std::function<void(size_t ready_from)>& on_ready) {
+Status Model::Backward(GradMode mode, float scale, const std::function<void(size_t ready_from)>& on_ready, int slot,
+                       const float* output_grad) {
+  if (slot < 0 || slot >= slots()) {
+    return InvalidArgument("model backward: slot {} is not below the model's {} slots", slot, slots());
+  }
+  UseSlot(slot);
   if (!have_targets_) {
     return FailedPrecondition("model backward: needs a forward with targets first (and runs once per forward)");
+  }
+  if (!stage_.head && output_grad == nullptr) {
+    return InvalidArgument("model backward: pipeline stage {} needs the gradient of its output",
+                           config_.pipeline_stage);
   }
   have_targets_ = false;
   if (mode == GradMode::kOverwrite) ZeroGrads();
@@ -537,30 +704,36 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     if (on_ready) on_ready(static_cast<size_t>(first - grads_.data()));
   };
 
-  // dlogits = scale · (probs - onehot(target)) / N
-  const float k = scale / static_cast<float>(N);
-  for (size_t i = 0; i < N; ++i) {
-    const float* prob = probs_.data() + i * V;
-    float* d = dlogits_.data() + i * V;
-    for (int j = 0; j < V; ++j) d[j] = k * prob[j];
-    d[targets_[i]] -= k;
+  const int blocks = stage_.end_block - stage_.first_block;  // >= 1
+  if (stage_.head) {
+    // dlogits = scale · (probs - onehot(target)) / N
+    const float k = scale / static_cast<float>(N);
+    for (size_t i = 0; i < N; ++i) {
+      const float* prob = probs_.data() + i * V;
+      float* d = dlogits_.data() + i * V;
+      for (int j = 0; j < V; ++j) d[j] = k * prob[j];
+      d[targets_[i]] -= k;
+    }
+    LinearBackward(dln_.data(), g.head_w, nullptr, dlogits_.data(), lnf_.data(), p.head_w, n, C, V);
+    std::fill(dres_.begin(), dres_.end(), 0.0f);
+    const float* last = res_mlp_.data() + static_cast<size_t>(blocks - 1) * N * C;
+    LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(),
+                      n, C);
+    ready(g.lnf_w);
+  } else {
+    std::copy(output_grad, output_grad + N * static_cast<size_t>(C), dres_.begin());
   }
-  LinearBackward(dln_.data(), g.head_w, nullptr, dlogits_.data(), lnf_.data(), p.head_w, n, C, V);
-  std::fill(dres_.begin(), dres_.end(), 0.0f);
-  const float* last = res_mlp_.data() + static_cast<size_t>(config_.layers - 1) * N * C;  // layers >= 1
-  LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(), n,
-                    C);
-  ready(g.lnf_w);
 
   // dres_ holds ∂L/∂(block output); each block turns it into ∂L/∂(block input).
-  for (int l = config_.layers - 1; l >= 0; --l) {
+  for (int l = stage_.end_block - 1; l >= stage_.first_block; --l) {
     const BlockTensors& w = p.blocks[static_cast<size_t>(l)];
     const BlockTensors& gw = g.blocks[static_cast<size_t>(l)];
-    const float* residual = l == 0 ? encoded_.data() : res_mlp_.data() + static_cast<size_t>(l - 1) * N * C;
+    const size_t local = static_cast<size_t>(l - stage_.first_block);
+    const float* residual = local == 0 ? encoded_.data() : res_mlp_.data() + (local - 1) * N * C;
     const BlockActivations a = Activations(l);
     // The shared slot still holds the last block from Forward; the others
     // are recomputed from their inputs.
-    if (config_.activation_checkpointing && l != config_.layers - 1) BlockInternals(w, a, residual);
+    if (config_.activation_checkpointing && l != stage_.end_block - 1) BlockInternals(w, a, residual);
 
     LinearBackward(dfch_.data(), gw.fcproj_w, gw.fcproj_b, dres_.data(), a.fch_gelu, w.fcproj_w, n, F, C);
     GeluBackward(dfch_.data(), a.fch, N * F);
@@ -572,6 +745,7 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     LayerNormBackward(dres_.data(), gw.ln1_w, gw.ln1_b, dln_.data(), residual, w.ln1_w, a.ln1_mean, a.ln1_rstd, n, C);
     ready(gw.ln1_w);
   }
+  if (!stage_.embeddings) return Status::Ok();  // dres_ is the input's gradient (input_grad())
   for (size_t i = 0; i < N; ++i) {
     float* dte = g.wte + static_cast<size_t>(tokens_[i]) * C;
     float* dpe = g.wpe + (i % static_cast<size_t>(T)) * C;

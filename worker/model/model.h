@@ -40,6 +40,27 @@
 // projections (attn.proj, mlp.proj) scaled by 1/sqrt(2·layers), biases zero,
 // LayerNorm weights one.
 //
+// Pipeline stages. With ModelConfig::pipeline_stages = P > 1 a Model is one
+// stage of the model: stage 0 holds the embeddings and the first blocks, the
+// last stage the last blocks, ln_f and the head, the others blocks only;
+// PlanStages splits the blocks so that the most expensive stage is as cheap
+// as it can be. A stage's parameters are one contiguous range of the whole
+// model's flat buffer ([flat_begin(), flat_begin() + num_parameters())), so
+// params() and grads() hold only that range and Tensors() lists only its
+// tensors, with offsets into it. Initialisation gives every stage exactly
+// the values the whole model has there. A stage after the first takes the
+// previous stage's output ([batch·T, C] activations) as its input; a stage
+// before the last returns 0 from Forward, exposes output() and takes the
+// gradient of its output in Backward; a stage after the first exposes the
+// gradient of its input (input_grad()) after Backward. Each stage runs the
+// same kernels on the same inputs as the whole model, so stages chained
+// together give bit for bit the whole model's loss and gradients.
+//
+// Micro-batch slots. A pipeline keeps several micro-batches in flight:
+// SetSlots(n) gives the model n independent activation workspaces, and
+// Forward and Backward take the slot to use (Backward of a slot uses what
+// Forward of that slot kept).
+//
 // Thread safety: a Model is a value with no shared state; one thread at a
 // time may use it. SetBlasThreads is process-wide.
 #pragma once
@@ -68,10 +89,31 @@ struct ModelConfig {
   // Recompute each block's internal activations in Backward instead of
   // keeping them from Forward (see the top of this file).
   bool activation_checkpointing = false;
+  // Pipeline parallelism: this model is stage pipeline_stage of
+  // pipeline_stages (see the top of this file); 1 stage is the whole model.
+  int pipeline_stages = 1;
+  int pipeline_stage = 0;
 
   // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
   Status Validate() const;
 };
+
+// Which blocks and which part of the flat buffer one pipeline stage holds.
+struct StagePlan {
+  int first_block = 0;  // blocks [first_block, end_block)
+  int end_block = 0;
+  bool embeddings = false;  // wte and wpe (stage 0)
+  bool head = false;        // ln_f and head (the last stage)
+  size_t flat_begin = 0;    // parameters [flat_begin, flat_end) of the whole model
+  size_t flat_end = 0;
+  double cost = 0;  // relative compute cost (forward multiply-adds per token)
+};
+
+// Every stage of config.pipeline_stages, in order: contiguous runs of blocks
+// (at least one each) chosen so that the largest stage cost (blocks plus the
+// embeddings on the first stage and the head on the last) is as small as
+// possible. REQUIRES: config.Validate().ok()
+std::vector<StagePlan> PlanStages(const ModelConfig& config);
 
 // One tensor of the flat parameter buffer.
 struct TensorInfo {
@@ -106,8 +148,14 @@ class Model {
   // group "no_decay" for biases, LayerNorm parameters and embeddings ("" for
   // the rest), flat_offset in elements.
   std::vector<v1::TensorSpec> Tensors() const;
+  // The whole model's tensor table (global offsets), whatever the stage.
   const std::vector<TensorInfo>& layout() const { return layout_; }
   size_t num_parameters() const { return params_.size(); }
+  // This stage (the whole model when there is one stage).
+  const StagePlan& stage() const { return stage_; }
+  size_t flat_begin() const { return stage_.flat_begin; }
+  bool first_stage() const { return stage_.embeddings; }
+  bool last_stage() const { return stage_.head; }
 
   std::span<float> params() { return params_; }
   std::span<const float> params() const { return params_; }
@@ -119,7 +167,14 @@ class Model {
   // With targets (same layout) it returns the mean cross-entropy and keeps
   // what Backward needs; without (nullptr) it returns 0 and only the logits
   // are meaningful. INVALID_ARGUMENT for batch < 1 or a token/target >= vocab.
-  Result<float> Forward(const uint8_t* tokens, const uint8_t* targets, int batch);
+  //
+  // Pipeline stages: the first stage reads `tokens`, the others `input`
+  // ([batch·T, C], the previous stage's output()); only the last stage reads
+  // `targets` (and computes a loss); a stage before the last keeps what its
+  // Backward needs whatever `targets` is, and returns 0. `slot` picks the
+  // activation workspace (0 to slots() - 1).
+  Result<float> Forward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot = 0,
+                        const float* input = nullptr);
 
   // Gradients of the last Forward's loss, times `scale`, into grads().
   // FAILED_PRECONDITION unless the last Forward had targets. Backward may run
@@ -134,11 +189,30 @@ class Model {
   // (or start sending) grads()[ready_from, end) but must not write grads()
   // or call into the model; the elements below ready_from are still being
   // computed.
+  //
+  // Pipeline stages: a stage before the last takes the gradient of its
+  // output, [batch·T, C], in `output_grad` (`scale` is the last stage's
+  // business: it is already in that gradient); `slot` is the Forward's.
   Status Backward(GradMode mode = GradMode::kOverwrite, float scale = 1.0f,
-                  const std::function<void(size_t ready_from)>& on_ready = nullptr);
+                  const std::function<void(size_t ready_from)>& on_ready = nullptr, int slot = 0,
+                  const float* output_grad = nullptr);
 
-  // The last Forward's logits, [batch, T, vocab].
-  std::span<const float> logits() const { return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()}; }
+  // Activation workspaces for micro-batches in flight (at least 1). Each
+  // slot's memory is allocated by its first Forward.
+  void SetSlots(int slots);
+  int slots() const { return static_cast<int>(stored_.size()); }
+  // A stage before the last: the output of the slot's last Forward,
+  // [batch·T, C] (the input of the next stage).
+  std::span<const float> output(int slot = 0);
+  // A stage after the first: the gradient of the slot's input after its
+  // Backward, [batch·T, C] (the output gradient of the previous stage).
+  std::span<const float> input_grad(int slot = 0);
+
+  // The last Forward's logits, [batch, T, vocab] (slot 0, the last stage).
+  std::span<const float> logits() {
+    UseSlot(0);
+    return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()};
+  }
 
   // Bytes of activation workspace allocated now (everything Forward and
   // Backward keep between or use within calls; 0 before the first Forward).
@@ -147,6 +221,8 @@ class Model {
  private:
   explicit Model(const ModelConfig& config);
   size_t rows_per_seq() const { return static_cast<size_t>(config_.context) * config_.vocab; }
+  // Makes `slot`'s workspace the current one (the members below).
+  void UseSlot(int slot);
   void Initialize();
   void EnsureWorkspace(int batch);
 
@@ -173,7 +249,8 @@ class Model {
 
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
-  std::vector<float> params_;
+  StagePlan stage_;
+  std::vector<float> params_;  // this stage's range of the flat buffer
   std::vector<float> grads_;
 
   // Workspace: activations of the last Forward (per layer where it applies,
@@ -195,6 +272,19 @@ class Model {
   std::vector<float> logits_, probs_;             // [N, V]
   std::vector<float> dres_, dln_, datty_, dqkv_;  // backward scratch, [N, C] / [N, 3C]
   std::vector<float> dfch_, datt_, dlogits_;      // [N, 4C], [T, T], [N, V]
+
+  // The workspaces of the slots not in use: UseSlot swaps a slot's buffers
+  // with the members above (the kernels always work on the members).
+  struct Workspace {
+    int batch = 0;
+    bool have_targets = false;
+    std::vector<uint8_t> tokens, targets;
+    std::vector<float> encoded, ln1, ln1_mean, ln1_rstd, qkv, att, atty, res_att, ln2, ln2_mean, ln2_rstd, fch,
+        fch_gelu, res_mlp, lnf, lnf_mean, lnf_rstd, logits, probs, dres, dln, datty, dqkv, dfch, datt, dlogits;
+  };
+  void Swap(Workspace& w);
+  std::vector<Workspace> stored_ = std::vector<Workspace>(1);
+  int current_ = 0;  // stored_[current_] is empty: its buffers are the members
 };
 
 }  // namespace tandem::model
