@@ -1199,8 +1199,11 @@ void ParameterStore::ReplicateLocked(Part& part, ps::Frame header, std::shared_p
     ServePullsLocked(part, actions);
     return;
   }
-  if (part.needs_transfer) {
-    // The backup has not got the state yet; the transfer carries this update.
+  if (part.needs_transfer || !part.links_ready) {
+    // The backup has not got the state yet, or this epoch's links are not up
+    // (an update decided as the epoch changed): the transfer, sent when the
+    // links are ready, carries this update.
+    part.needs_transfer = true;
     if (part.links_ready) SendTransferLocked(part, actions);
     return;
   }
@@ -1272,20 +1275,18 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
       counters_.replicas_applied.fetch_add(1);
       part->safe_step = std::max(part->safe_step, step);
       ServePullsLocked(*part, actions);
-    } else if (!transfer && status.code() == StatusCode::kFailedPrecondition && current &&
-               part->role == v1::REPLICA_ROLE_PRIMARY) {
-      spdlog::warn("partition {}: the backup refused an update ({}); sending it the whole state", partition,
-                   status.message());
-      if (part->links_ready) SendTransferLocked(*part, actions);
-    } else if (!current && part->role == v1::REPLICA_ROLE_PRIMARY && part->backup != 0 &&
+    } else if (!transfer && part->role == v1::REPLICA_ROLE_PRIMARY && part->backup != 0 &&
                part->safe_step < part->state.step) {
-      // An update sent as the epoch changed (applied after the new epoch had
-      // looked at what the backup lacks): the backup gets the whole state on
+      // The backup refused the update (it diverged), or the update did not
+      // reach it as the epoch changed: it gets the whole state, now or on
       // the new epoch's links.
-      spdlog::info(
-          "partition {}: step {} did not reach the backup before the epoch changed ({}); sending it the "
-          "whole state",
-          partition, step, status.message());
+      if (status.code() == StatusCode::kFailedPrecondition && current) {
+        spdlog::warn("partition {}: the backup refused an update ({}); sending it the whole state", partition,
+                     status.message());
+      } else {
+        spdlog::info("partition {}: step {} did not reach the backup ({}); sending it the whole state", partition, step,
+                     status.message());
+      }
       part->needs_transfer = true;
       if (part->links_ready) SendTransferLocked(*part, actions);
     } else {
