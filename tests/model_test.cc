@@ -581,9 +581,9 @@ TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {
       for (int m = 0; m < micro; ++m) {
         const float* dy = nullptr;
         for (int s = stages - 1; s >= 0; --s) {
-          ASSERT_TRUE(
-              pipe[s].Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 1.0f / micro, nullptr, m, dy)
-                  .ok());
+          ASSERT_TRUE(pipe[s]
+                          .Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 1.0f / micro, nullptr, m, dy)
+                          .ok());
           dy = pipe[s].input_grad(m).data();
         }
       }

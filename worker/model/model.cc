@@ -245,8 +245,9 @@ Status ModelConfig::Validate() const {
   if (layers < 1 || layers > 1024) return InvalidArgument("model layers: must be 1 to 1024, got {}", layers);
   if (mlp_ratio < 1 || mlp_ratio > 64) return InvalidArgument("model mlp_ratio: must be 1 to 64, got {}", mlp_ratio);
   if (pipeline_stages < 1 || pipeline_stages > layers) {
-    return InvalidArgument("model pipeline_stages: must be 1 to layers ({}): each stage holds at least one block, got {}",
-                           layers, pipeline_stages);
+    return InvalidArgument(
+        "model pipeline_stages: must be 1 to layers ({}): each stage holds at least one block, got {}", layers,
+        pipeline_stages);
   }
   if (pipeline_stage < 0 || pipeline_stage >= pipeline_stages) {
     return InvalidArgument("model pipeline_stage: must be 0 to pipeline_stages - 1 ({}), got {}", pipeline_stages - 1,
@@ -601,8 +602,7 @@ void Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, con
   GeluForward(a.fch_gelu, a.fch, N * F);
 }
 
-Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot,
-                             const float* input) {
+Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot, const float* input) {
   if (batch < 1) return InvalidArgument("model forward: batch must be at least 1, got {}", batch);
   if (slot < 0 || slot >= slots()) {
     return InvalidArgument("model forward: slot {} is not below the model's {} slots", slot, slots());
@@ -717,8 +717,8 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     LinearBackward(dln_.data(), g.head_w, nullptr, dlogits_.data(), lnf_.data(), p.head_w, n, C, V);
     std::fill(dres_.begin(), dres_.end(), 0.0f);
     const float* last = res_mlp_.data() + static_cast<size_t>(blocks - 1) * N * C;
-    LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(),
-                      n, C);
+    LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(), n,
+                      C);
     ready(g.lnf_w);
   } else {
     std::copy(output_grad, output_grad + N * static_cast<size_t>(C), dres_.begin());

@@ -1,0 +1,183 @@
+// Pipeline schedules and their executor (pipeline.h).
+#include "worker/runtime/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <map>
+
+namespace tandem::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+const char* KindName(PipeOp::Kind kind) {
+  switch (kind) {
+    case PipeOp::kRecvActivation:
+      return "receiving the activations of";
+    case PipeOp::kForward:
+      return "the forward of";
+    case PipeOp::kSendActivation:
+      return "sending the activations of";
+    case PipeOp::kRecvGradient:
+      return "receiving the output gradient of";
+    case PipeOp::kBackward:
+      return "the backward of";
+    case PipeOp::kSendGradient:
+      return "sending the input gradient of";
+    case PipeOp::kSendActivationRecvGradient:
+      return "exchanging activations for gradients after";
+    case PipeOp::kSendGradientRecvActivation:
+      return "exchanging gradients for activations after";
+  }
+  return "?";
+}
+
+}  // namespace
+
+std::string_view ScheduleName(PipelineSchedule schedule) {
+  return schedule == PipelineSchedule::kGPipe ? "gpipe" : "1f1b";
+}
+
+Result<PipelineSchedule> ParseSchedule(std::string_view name) {
+  if (name == "gpipe") return PipelineSchedule::kGPipe;
+  if (name == "1f1b") return PipelineSchedule::kOneFOneB;
+  return InvalidArgument("pipeline schedule: expected gpipe or 1f1b, got \"{}\"", name);
+}
+
+std::vector<PipeOp> BuildSchedule(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
+  const bool first = stage == 0, last = stage == stages - 1;
+  const int m = micro_batches;
+  std::vector<PipeOp> ops;
+  auto add = [&](PipeOp::Kind kind, int micro, int other = -1) { ops.push_back(PipeOp{kind, micro, other}); };
+  auto forward = [&](int i) {
+    if (!first) add(PipeOp::kRecvActivation, i);
+    add(PipeOp::kForward, i);
+    if (!last) add(PipeOp::kSendActivation, i);
+  };
+  auto backward = [&](int i) {
+    if (!last) add(PipeOp::kRecvGradient, i);
+    add(PipeOp::kBackward, i);
+    if (!first) add(PipeOp::kSendGradient, i);
+  };
+  if (schedule == PipelineSchedule::kGPipe) {
+    for (int i = 0; i < m; ++i) forward(i);
+    for (int i = 0; i < m; ++i) backward(i);
+    return ops;
+  }
+  const int warmup = std::min(stages - stage - 1, m);
+  const int steady = m - warmup;
+  for (int i = 0; i < warmup; ++i) forward(i);
+  if (steady > 0 && !first) add(PipeOp::kRecvActivation, warmup);
+  for (int i = 0; i < steady; ++i) {
+    const int f = warmup + i;
+    add(PipeOp::kForward, f);
+    if (!last) add(PipeOp::kSendActivationRecvGradient, f, i);
+    add(PipeOp::kBackward, i);
+    if (first) continue;
+    if (i == steady - 1) {
+      add(PipeOp::kSendGradient, i);
+    } else {
+      add(PipeOp::kSendGradientRecvActivation, i, f + 1);
+    }
+  }
+  for (int i = steady; i < m; ++i) backward(i);
+  return ops;
+}
+
+int SlotsNeeded(PipelineSchedule schedule, int stages, int stage, int micro_batches) {
+  if (schedule == PipelineSchedule::kGPipe) return micro_batches;
+  return std::min(stages - stage, micro_batches);
+}
+
+double AnalyticBubble(int stages, int micro_batches) {
+  return static_cast<double>(stages - 1) / static_cast<double>(micro_batches + stages - 1);
+}
+
+Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<PipeOp>& ops, size_t elements,
+                                   const StageCompute& compute) {
+  const int stage = pp.rank(), stages = pp.size();
+  const bool first = stage == 0, last = stage == stages - 1;
+  std::vector<float> input(first ? 0 : elements), output_grad(last ? 0 : elements);
+  std::map<int, std::span<const float>> outputs, input_grads;  // by micro-batch, until sent
+  PipelineTiming timing;
+  const auto start = Clock::now();
+  auto check = [&](const std::map<int, std::span<const float>>& held, int micro, const char* what) -> Status {
+    auto it = held.find(micro);
+    if (it == held.end()) return FailedPrecondition("micro-batch {}: no {} to send", micro, what);
+    if (it->second.size() != elements) {
+      return InvalidArgument("micro-batch {}: the stage's {} has {} elements, the pipeline carries {}", micro, what,
+                             it->second.size(), elements);
+    }
+    return Status::Ok();
+  };
+  for (const PipeOp& op : ops) {
+    Status status;
+    const auto dt = comm::DType::kFloat32;
+    switch (op.kind) {
+      case PipeOp::kRecvActivation:
+        status = pp.Recv(stage - 1, input.data(), elements, dt);
+        break;
+      case PipeOp::kForward: {
+        const auto t0 = Clock::now();
+        auto out = compute.forward(op.micro, first ? nullptr : input.data());
+        timing.compute_seconds += Seconds(Clock::now() - t0);
+        if (!out.ok()) {
+          status = out.status();
+        } else if (!last) {
+          outputs[op.micro] = *out;
+        }
+        break;
+      }
+      case PipeOp::kSendActivation:
+        status = check(outputs, op.micro, "output");
+        if (status.ok()) status = pp.Send(stage + 1, outputs[op.micro].data(), elements, dt);
+        outputs.erase(op.micro);
+        break;
+      case PipeOp::kRecvGradient:
+        status = pp.Recv(stage + 1, output_grad.data(), elements, dt);
+        break;
+      case PipeOp::kBackward: {
+        const auto t0 = Clock::now();
+        auto grad = compute.backward(op.micro, last ? nullptr : output_grad.data());
+        timing.compute_seconds += Seconds(Clock::now() - t0);
+        if (!grad.ok()) {
+          status = grad.status();
+        } else if (!first) {
+          input_grads[op.micro] = *grad;
+        }
+        break;
+      }
+      case PipeOp::kSendGradient:
+        status = check(input_grads, op.micro, "input gradient");
+        if (status.ok()) status = pp.Send(stage - 1, input_grads[op.micro].data(), elements, dt);
+        input_grads.erase(op.micro);
+        break;
+      case PipeOp::kSendActivationRecvGradient:
+        status = check(outputs, op.micro, "output");
+        if (status.ok()) {
+          status = pp.SendRecv(stage + 1, outputs[op.micro].data(), stage + 1, output_grad.data(), elements, dt);
+        }
+        outputs.erase(op.micro);
+        break;
+      case PipeOp::kSendGradientRecvActivation:
+        status = check(input_grads, op.micro, "input gradient");
+        if (status.ok()) {
+          status = pp.SendRecv(stage - 1, input_grads[op.micro].data(), stage - 1, input.data(), elements, dt);
+        }
+        input_grads.erase(op.micro);
+        break;
+    }
+    if (!status.ok()) {
+      return status.WithContext(
+          fmt::format("pipeline stage {} of {}: {} micro-batch {}", stage, stages, KindName(op.kind), op.micro));
+    }
+  }
+  timing.seconds = Seconds(Clock::now() - start);
+  return timing;
+}
+
+}  // namespace tandem::worker
