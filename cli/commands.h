@@ -45,6 +45,9 @@ int BenchOptimizerCommand(int argc, char** argv);
 int BenchPsCommand(int argc, char** argv);
 // tandem bench train: tokens/s of each training mode beside one process.
 int BenchTrainCommand(int argc, char** argv);
+// tandem bench pipeline: measured idle fraction of pipeline stages beside the
+// analytic bubble.
+int BenchPipelineCommand(int argc, char** argv);
 // tandem checkpoint save | restore | verify: the parameter servers'
 // checkpoints (verify reads a checkpoint directory offline).
 int CheckpointSaveCommand(int argc, char** argv);
