@@ -219,4 +219,17 @@ Status TransportCommunicator::DoRecv(int peer, void* data, size_t bytes) {
   return status.ok() ? status : Fail(status);
 }
 
+Status TransportCommunicator::DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) {
+  static const char kNothing = 0;
+  char nothing = 0;
+  const uint64_t send_tag = kPointToPointTag | sent_[static_cast<size_t>(to)]++;
+  const uint64_t recv_tag = kPointToPointTag | received_[static_cast<size_t>(from)]++;
+  auto receiving = transport_->Recv(from, recv_tag, bytes > 0 ? recv : &nothing, bytes);
+  auto sending = transport_->Send(to, send_tag, bytes > 0 ? send : &kNothing, bytes);
+  const Status received = collectives::Wait(*receiving, rank(), from, false, check_, "recv");
+  const Status sent = collectives::Wait(*sending, rank(), to, true, check_, "send");
+  const Status status = received.ok() ? sent : received;
+  return status.ok() ? status : Fail(status);
+}
+
 }  // namespace tandem::comm

@@ -114,6 +114,8 @@ class TransportCommunicator final : public Communicator {
   Status DoBarrier(uint64_t seq) override;
   Status DoSend(int peer, const void* data, size_t bytes) override;
   Status DoRecv(int peer, void* data, size_t bytes) override;
+  // Both messages posted at once, then waited for (no helper thread).
+  Status DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) override;
 
  private:
   // What every rank of a collective must agree on (24 bytes on the wire).
