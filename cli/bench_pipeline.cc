@@ -11,9 +11,9 @@
 // P busy stages on a machine with fewer cores than P would measure the
 // machine's scheduler instead. Activations and gradients of
 // --activation-bytes travel between the stages for real. Each shape runs
-// --steps steps; a stage's idle fraction is 1 - compute time / step time,
-// averaged over the stages (the worst stage is shown too), median over the
-// steps. ratio = measured / analytic; the target is at most 1.1.
+// --steps steps; a stage's idle fraction is 1 - its compute time / the
+// step's time (until the last stage is done), averaged over the stages (the
+// worst stage is shown too), median over the steps. ratio = measured / analytic; the target is at most 1.1.
 #include <stdio.h>
 
 #include <algorithm>
@@ -110,13 +110,21 @@ Status Measure(Shape& shape, int steps, double forward_ms, double backward_ratio
                                    elements, compute);
       }));
     }
-    double sum = 0, most = 0, longest = 0;
+    // The step ends when the last stage does (the first stage's last
+    // backward); a stage is idle for whatever of that it does not compute.
+    std::vector<double> compute;
+    double longest = 0;
     for (auto& f : done) {
       auto timing = f.get();
       if (!timing.ok()) return timing.status();
-      sum += timing->idle_fraction();
-      most = std::max(most, timing->idle_fraction());
+      compute.push_back(timing->compute_seconds);
       longest = std::max(longest, timing->seconds);
+    }
+    double sum = 0, most = 0;
+    for (double c : compute) {
+      const double stage_idle = longest > 0 ? 1.0 - c / longest : 0;
+      sum += stage_idle;
+      most = std::max(most, stage_idle);
     }
     idle.push_back(sum / shape.stages);
     worst.push_back(most);
