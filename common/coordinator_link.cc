@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <map>
 #include <thread>
 
 #include <prometheus/counter.h>
@@ -64,6 +65,17 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
                           .Help("The newest membership epoch this member has joined.")
                           .Register(daemon.registry())
                           .Add({});
+  // Which job, node and rank this member is: an unranked series until it
+  // joins an epoch, then one series with its rank (a new rank replaces it).
+  // A server's rank is its rank among the epoch's servers (ServerRank).
+  auto& info_family = prometheus::BuildGauge()
+                          .Name("tandem_member_info")
+                          .Help(
+                              "Always 1; the labels say which job and node this member is in and its rank (workers: "
+                              "global rank; servers: rank among the servers) in its newest epoch.")
+                          .Register(daemon.registry());
+  const std::map<std::string, std::string> identity = {{"job_id", options.job_id}, {"node_id", options.node.node_id()}};
+  info_family.Add(identity).Set(1);
   const std::string address = config.address;
   Daemon* d = &daemon;  // outlives the link (see Start's contract)
   options.on_connection = [address, d, &up, &changes, first = true](bool connected, const std::string& detail) mutable {
@@ -78,15 +90,27 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
     d->SetReady(connected);
   };
   CoordinatorLink* self = link.get();  // owns the session, so outlives its callbacks
-  options.on_epoch = [&epoch_gauge, self, on_epoch = hooks.on_epoch](const v1::MembershipEpoch& epoch) {
+  options.on_epoch = [&epoch_gauge, &info_family, identity, info = &info_family.Add(identity), self,
+                      on_epoch = hooks.on_epoch](const v1::MembershipEpoch& epoch) mutable {
     epoch_gauge.Set(static_cast<double>(epoch.epoch()));
-    if (!on_epoch) return Status::Ok();
     // The session's thread may get an epoch before the constructor below has
     // returned and the session is published.
     MemberSession* session = nullptr;
     while ((session = self->published_.load(std::memory_order_acquire)) == nullptr) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    auto labels = identity;
+    if (const auto rank = session->rank()) {
+      labels["rank"] = std::to_string(rank->global_rank());
+    } else if (const auto server = ServerRank(epoch, session->member_id())) {
+      labels["rank"] = std::to_string(*server);
+    }
+    if (auto* now = &info_family.Add(labels); now != info) {
+      info_family.Remove(info);
+      info = now;
+      info->Set(1);
+    }
+    if (!on_epoch) return Status::Ok();
     return on_epoch(epoch, *session);
   };
   options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };

@@ -338,4 +338,16 @@ Status MemberSession::Leave(const std::string& message, std::chrono::millisecond
   return Status::FromGrpc(s);
 }
 
+std::optional<uint32_t> ServerRank(const v1::MembershipEpoch& epoch, uint64_t member_id) {
+  bool found = false;
+  uint32_t below = 0;
+  for (const auto& p : epoch.peers()) {
+    if (p.role() != v1::ROLE_SERVER) continue;
+    if (p.member_id() == member_id) found = true;
+    if (p.member_id() < member_id) ++below;
+  }
+  if (!found) return std::nullopt;
+  return below;
+}
+
 }  // namespace tandem

@@ -123,4 +123,10 @@ class MemberSession {
   std::thread heartbeat_thread_;
 };
 
+// A server's rank among the epoch's servers in order of member id (the order
+// in which the shard map numbers them): how metrics name a server. Servers
+// have no RankAssignment of their own. Empty when `member_id` is not a server
+// of the epoch.
+std::optional<uint32_t> ServerRank(const v1::MembershipEpoch& epoch, uint64_t member_id);
+
 }  // namespace tandem

@@ -806,6 +806,7 @@ void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t
     spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
                  HostKey(member.record.node()), why);
     ++stats_.failures_detected;
+    ++stats_.failures_by_node[{job.spec.job_id(), RoleName(member.record.role()), HostKey(member.record.node())}];
     in_epoch |= InLatest(job, id);
     failed_hosts.insert(HostKey(member.record.node()));
     SetMemberState(member, v1::MEMBER_STATE_DEAD, why);
@@ -1315,7 +1316,10 @@ CoreStats CoordinatorCore::TakeStats() {
   stats_.failure_to_epoch_seconds.clear();
   out.members.clear();
   for (const auto& [id, job] : jobs_) {
-    for (const auto& [mid, m] : job.members) ++out.members[{RoleName(m.record.role()), StateName(m.record.state())}];
+    for (const auto& [mid, m] : job.members) {
+      ++out.members[{RoleName(m.record.role()), StateName(m.record.state())}];
+      out.failures_by_node.try_emplace({id, RoleName(m.record.role()), HostKey(m.record.node())}, 0);
+    }
   }
   return out;
 }

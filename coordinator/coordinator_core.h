@@ -27,6 +27,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -84,6 +85,10 @@ struct CoreStats {
   // Members by role ("worker", "server") and state ("joining", "active", …).
   std::map<std::pair<std::string, std::string>, uint64_t> members;
   uint64_t max_epoch = 0;  // over all jobs
+  // Members declared dead by job, kind ("worker", "server") and node id.
+  // Every (job, kind, node) of a member the coordinator knows is present,
+  // with 0 until one of them dies.
+  std::map<std::tuple<std::string, std::string, std::string>, uint64_t> failures_by_node;
   // Durations observed since the last call (seconds), drained by TakeStats.
   std::vector<double> rendezvous_seconds;        // first registration to epoch 1 active
   std::vector<double> failure_to_epoch_seconds;  // failure detected to the next epoch active

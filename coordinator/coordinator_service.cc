@@ -110,6 +110,10 @@ CoordinatorService::CoordinatorService(CoordinatorCore* core, Store* store, prom
                     .Help("Members declared dead (missed heartbeats, broken streams, failed epochs).")
                     .Register(registry)
                     .Add({})),
+      member_failures_(prometheus::BuildCounter()
+                           .Name("tandem_coordinator_member_failures_total")
+                           .Help("Members declared dead, by job, kind (worker, server) and node.")
+                           .Register(registry)),
       epochs_(prometheus::BuildCounter()
                   .Name("tandem_coordinator_epochs_published_total")
                   .Help("Membership epochs published.")
@@ -255,6 +259,13 @@ void CoordinatorService::UpdateMetrics() {
   CoreStats stats = core_->TakeStats();
   heartbeats_.Increment(static_cast<double>(stats.heartbeats - last_stats_.heartbeats));
   failures_.Increment(static_cast<double>(stats.failures_detected - last_stats_.failures_detected));
+  for (const auto& [key, count] : stats.failures_by_node) {
+    const auto& [job, kind, node] = key;
+    auto before = last_stats_.failures_by_node.find(key);
+    const uint64_t delta = count - (before == last_stats_.failures_by_node.end() ? 0 : before->second);
+    // Added at 0 as soon as a member of the node is known, so that the first failure is an increase.
+    member_failures_.Add({{"job_id", job}, {"kind", kind}, {"node_id", node}}).Increment(static_cast<double>(delta));
+  }
   epochs_.Increment(static_cast<double>(stats.epochs_published - last_stats_.epochs_published));
   records_.Increment(static_cast<double>(stats.records_appended - last_stats_.records_appended));
   epoch_.Set(static_cast<double>(stats.max_epoch));

@@ -113,6 +113,7 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   prometheus::Gauge& watch_streams_;
   prometheus::Counter& heartbeats_;
   prometheus::Counter& failures_;
+  prometheus::Family<prometheus::Counter>& member_failures_;  // by job_id, kind, node_id
   prometheus::Counter& epochs_;
   prometheus::Counter& records_;
   prometheus::Histogram& rendezvous_seconds_;

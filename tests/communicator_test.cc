@@ -609,6 +609,67 @@ TEST_P(CommunicatorFailureTest, ProgressCountsCollectivesNotPointToPoint) {
   EXPECT_FLOAT_EQ(buffers[1][0], 6.f);
 }
 
+// The observer (what the worker's collective metrics count) sees each
+// operation that succeeded once, with its kind and bytes; a failed one is
+// not observed.
+TEST_P(CommunicatorFailureTest, TheObserverSeesEachSuccessfulOperationWithItsBytes) {
+  Group group = MakeGroup(3, milliseconds(10000));
+  ASSERT_EQ(group.comms.size(), 3u);
+  struct Seen {
+    comm::Kind kind;
+    uint64_t bytes;
+    double seconds;
+  };
+  std::vector<std::vector<Seen>> seen(3);  // one rank's observer runs on that rank's thread only
+  for (size_t r = 0; r < 3; ++r) {
+    group.comms[r]->SetObserver([&seen, r](comm::Kind kind, uint64_t bytes, double seconds) {
+      seen[r].push_back({kind, bytes, seconds});
+    });
+  }
+  std::vector<std::vector<float>> in(3, std::vector<float>(3 * 40, 1.f));
+  std::vector<std::vector<float>> out(3, std::vector<float>(3 * 40, 0.f));
+  const auto results = RunRanks(group, [&](int r, Communicator& comm) -> Status {
+    auto& i = in[static_cast<size_t>(r)];
+    auto& o = out[static_cast<size_t>(r)];
+    TANDEM_RETURN_IF_ERROR(comm.Barrier());
+    TANDEM_RETURN_IF_ERROR(comm.AllReduce(i.data(), o.data(), 100, DType::kFloat32, ReduceOp::kSum));
+    TANDEM_RETURN_IF_ERROR(comm.ReduceScatter(i.data(), o.data(), 40, DType::kFloat32, ReduceOp::kSum));
+    TANDEM_RETURN_IF_ERROR(comm.AllGather(i.data(), o.data(), 40, DType::kFloat32));
+    TANDEM_RETURN_IF_ERROR(comm.Broadcast(o.data(), 20, DType::kFloat32, 0));
+    if (r == 0) return comm.Send(1, i.data(), 7, DType::kFloat32);
+    if (r == 1) return comm.Recv(0, o.data(), 7, DType::kFloat32);
+    return Status::Ok();
+  });
+  for (const auto& s : results) ASSERT_TRUE(s.ok()) << Describe(results);
+  for (size_t r = 0; r < 3; ++r) {
+    const auto& s = seen[r];
+    ASSERT_EQ(s.size(), r == 2 ? 5u : 6u) << "rank " << r;
+    EXPECT_EQ(s[0].kind, comm::Kind::kBarrier);
+    EXPECT_EQ(s[0].bytes, 0u);
+    EXPECT_EQ(s[1].kind, comm::Kind::kAllReduce);
+    EXPECT_EQ(s[1].bytes, 400u);
+    EXPECT_EQ(s[2].kind, comm::Kind::kReduceScatter);
+    EXPECT_EQ(s[2].bytes, 3u * 40 * 4);  // the whole input
+    EXPECT_EQ(s[3].kind, comm::Kind::kAllGather);
+    EXPECT_EQ(s[3].bytes, 3u * 40 * 4);  // the whole output
+    EXPECT_EQ(s[4].kind, comm::Kind::kBroadcast);
+    EXPECT_EQ(s[4].bytes, 80u);
+    if (r < 2) {
+      EXPECT_EQ(s[5].kind, r == 0 ? comm::Kind::kSend : comm::Kind::kRecv);
+      EXPECT_EQ(s[5].bytes, 28u);
+    }
+    for (const auto& one : s) EXPECT_GE(one.seconds, 0.0);
+  }
+  // A failed operation (a size mismatch) is not observed.
+  const auto failed = RunRanks(group, [&](int r, Communicator& comm) -> Status {
+    if (r == 0) return comm.Send(1, in[0].data(), 10, DType::kFloat32);
+    if (r == 1) return comm.Recv(0, out[1].data(), 11, DType::kFloat32);
+    return Status::Ok();
+  });
+  EXPECT_FALSE(failed[1].ok()) << Describe(failed);
+  EXPECT_EQ(seen[1].size(), 6u);
+}
+
 TEST_P(CommunicatorFailureTest, ASendRecvSizeMismatchIsInvalidArgumentNamingBothSizes) {
   Group group = MakeGroup(2, milliseconds(5000));
   ASSERT_EQ(group.comms.size(), 2u);

@@ -8,6 +8,7 @@
 #include <google/protobuf/util/time_util.h>
 #include <gtest/gtest.h>
 
+#include "common/member_session.h"
 #include "test_util.h"
 
 namespace tandem::coordinator {
@@ -332,6 +333,59 @@ TEST_F(CoreTest, ANodeFailureIsOneEpochAndOneHostFailure) {
   EXPECT_EQ(Latest(a).epoch(), before + 1);
   EXPECT_EQ(Latest(a).worker_count(), 1u);
   EXPECT_TRUE(TryJoin("n1").ok());  // one incident: not yet held out
+}
+
+// The failures by node that tandem_coordinator_member_failures_total exports:
+// every known (job, kind, node) from the start at 0, each death counted once
+// on its member's node.
+TEST_F(CoreTest, FailuresAreCountedByJobKindAndNode) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(3, 3, 1)).ok());
+  const M a = Join("n0");
+  const M b = Join("n1");
+  Join("n1");
+  Join("n2", v1::ROLE_SERVER);
+  using Key = std::tuple<std::string, std::string, std::string>;
+  auto stats = core_->TakeStats();
+  EXPECT_EQ(stats.failures_by_node,
+            (std::map<Key, uint64_t>{
+                {Key{"j", "server", "n2"}, 0}, {Key{"j", "worker", "n0"}, 0}, {Key{"j", "worker", "n1"}, 0}}));
+  Tick(milliseconds(600));
+  AckAll(Latest(a));
+  TickWithout(milliseconds(3100), {b.id});
+  ASSERT_EQ(Latest(a).cause(), v1::EPOCH_CAUSE_FAILURE);
+  stats = core_->TakeStats();
+  EXPECT_EQ(stats.failures_detected, 1u);
+  EXPECT_EQ(stats.failures_by_node[Key("j", "worker", "n1")], 1u);
+  EXPECT_EQ(stats.failures_by_node[Key("j", "worker", "n0")], 0u);
+  EXPECT_EQ(stats.failures_by_node[Key("j", "server", "n2")], 0u);
+  // Counters: a second look does not count the death again.
+  EXPECT_EQ(core_->TakeStats().failures_by_node[Key("j", "worker", "n1")], 1u);
+}
+
+// Servers have no RankAssignment; metrics name them by ServerRank: their
+// order by member id among the epoch's servers, renumbered when one leaves.
+TEST_F(CoreTest, ServerRanksFollowMemberIdsAmongTheEpochsServers) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 1, 3)).ok());
+  const M w = Join("n0");
+  const M s0 = Join("n1", v1::ROLE_SERVER);
+  const M s1 = Join("n2", v1::ROLE_SERVER);
+  const M s2 = Join("n3", v1::ROLE_SERVER);
+  Tick(milliseconds(600));
+  auto e = Latest(w);
+  ASSERT_EQ(e.server_count(), 3u);
+  EXPECT_EQ(ServerRank(e, s0.id), 0u);
+  EXPECT_EQ(ServerRank(e, s1.id), 1u);
+  EXPECT_EQ(ServerRank(e, s2.id), 2u);
+  EXPECT_FALSE(ServerRank(e, w.id).has_value());  // a worker
+  EXPECT_FALSE(ServerRank(e, 999).has_value());   // not in the epoch
+  AckAll(e);
+  TickWithout(milliseconds(3100), {s1.id});
+  e = Latest(w);
+  ASSERT_EQ(e.server_count(), 2u);
+  EXPECT_EQ(ServerRank(e, s0.id), 0u);
+  EXPECT_EQ(ServerRank(e, s2.id), 1u);
 }
 
 TEST_F(CoreTest, MemberIdsAreNeverReusedAcrossSnapshotsAndRestarts) {

@@ -1,9 +1,13 @@
 // Workers build their communicators for every epoch: a coordinator and three
 // workers on loopback; each worker builds its communicators for epoch 1 and
 // checks them; a worker killed with SIGKILL makes epoch 2, for which the
-// survivors abort the old communicators and build new ones.
+// survivors abort the old communicators and build new ones. The metrics
+// follow: each worker's job, node and rank (one series, the newest rank) and
+// the self-check's collectives by op, group and backend.
 #include <signal.h>
 
+#include <regex>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -17,6 +21,28 @@ namespace tandem {
 namespace {
 
 using std::chrono::milliseconds;
+
+std::string Page(const cli::LaunchedDaemon& daemon) {
+  auto body = HttpGet(daemon.ready.metrics_address, "/metrics", milliseconds(2000));
+  return body.ok() ? *body : "";
+}
+
+// The ranks in the page's tandem_member_info series (one per series).
+std::vector<int> InfoRanks(const std::string& page) {
+  std::vector<int> ranks;
+  const std::regex info(R"re(\ntandem_member_info\{job_id="default",node_id="[^"]+",rank="([0-9]+)"\} 1(?=\n))re");
+  for (std::sregex_iterator it(page.begin(), page.end(), info), end; it != end; ++it) {
+    ranks.push_back(std::stoi((*it)[1].str()));
+  }
+  return ranks;
+}
+
+// The value of a labelled sample, or -1.
+double Sample(const std::string& page, const std::string& series) {
+  const size_t at = page.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(page.substr(at + series.size() + 2));
+}
 
 TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
   testing::TempDir dir;
@@ -33,16 +59,31 @@ TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
     workers.push_back(std::move(*w));
   }
   // Epoch 1: every worker built and checked world, node, dp, tp and pp.
+  std::set<int> ranks;
   for (auto& w : workers) {
     EXPECT_TRUE(testing::WaitUntil([&] { return testing::Metric(w, "tandem_worker_data_plane_epoch") == 1; },
                                    milliseconds(20000)))
         << testing::ReadFile(w.log_file);
     EXPECT_EQ(testing::Metric(w, "tandem_worker_communicators"), 5);
+    const std::string page = Page(w);
+    const auto info = InfoRanks(page);
+    ASSERT_EQ(info.size(), 1u) << page;
+    ranks.insert(info[0]);
+    // The self-check: one barrier and one allreduce of one int64 over world (shared memory: one node).
+    EXPECT_EQ(Sample(page, R"(tandem_worker_collectives_total{backend="shm",group="world",op="barrier"})"), 1) << page;
+    EXPECT_EQ(Sample(page, R"(tandem_worker_collectives_total{backend="shm",group="world",op="allreduce"})"), 1)
+        << page;
+    EXPECT_EQ(Sample(page, R"(tandem_worker_collective_bytes_total{backend="shm",group="world",op="allreduce"})"), 8)
+        << page;
+    EXPECT_GT(Sample(page, R"(tandem_worker_collective_seconds_total{backend="shm",group="world",op="allreduce"})"), 0)
+        << page;
     const std::string log = testing::ReadFile(w.log_file);
     EXPECT_NE(log.find("epoch 1: data plane ready"), std::string::npos) << log;
     EXPECT_NE(log.find("self-check passed: world (shm"), std::string::npos) << log;
     EXPECT_NE(log.find("of 3)"), std::string::npos) << log;
   }
+
+  EXPECT_EQ(ranks, (std::set<int>{0, 1, 2}));
 
   // SIGKILL one worker: the survivors rebuild for epoch 2 with two ranks.
   ASSERT_TRUE(workers[2].process->Signal(SIGKILL).ok());
@@ -55,6 +96,13 @@ TEST(DataPlaneProcessTest, WorkersBuildCommunicatorsForEveryEpoch) {
     EXPECT_NE(log.find("epoch 2: data plane ready"), std::string::npos) << log;
     EXPECT_NE(log.find("of 2)"), std::string::npos) << log;
     EXPECT_EQ(log.find("could not be built"), std::string::npos) << log;
+    // One series, with the rank of epoch 2; the counters go on across epochs.
+    const std::string page = Page(w);
+    const auto info = InfoRanks(page);
+    ASSERT_EQ(info.size(), 1u) << page;
+    EXPECT_LT(info[0], 2) << page;
+    EXPECT_EQ(Sample(page, R"(tandem_worker_collectives_total{backend="shm",group="world",op="allreduce"})"), 2)
+        << page;
   }
   for (int i = 0; i < 2; ++i) {
     ASSERT_TRUE(workers[static_cast<size_t>(i)].process->Signal(SIGTERM).ok());

@@ -233,6 +233,19 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(results[w].ok()) << "worker " << w << ": " << results[w].ToString();
   EXPECT_GE(workers[0]->retries() + workers[1]->retries(), 1);
   EXPECT_GE(workers[0]->client().epoch(), 2u);
+  // What the workers' push and pull metrics count: every answered push and
+  // pull (retries included), with its bytes, by server (ranks among 3, then 2).
+  for (const auto& w : workers) {
+    const auto pushes = w->pushes();
+    const auto pulls = w->pulls();
+    EXPECT_GE(pushes.count, kSteps * 13);
+    EXPECT_GE(pushes.bytes, kSteps * kParams * sizeof(float));
+    EXPECT_GE(pulls.count, kSteps * 13);
+    EXPECT_GE(pulls.bytes, kSteps * kParams * sizeof(float));
+    EXPECT_EQ(pushes.servers, (std::set<uint32_t>{0, 1, 2}));
+    EXPECT_EQ(pulls.servers, (std::set<uint32_t>{0, 1, 2}));
+    EXPECT_EQ(pushes.negative_seconds + pulls.negative_seconds, 0u);
+  }
 
   // Both workers hold the same parameters, equal to a run without failure.
   const auto reference = Reference(kSteps);

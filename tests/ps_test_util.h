@@ -8,8 +8,10 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <regex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -76,6 +78,14 @@ class PsWorker {
     worker::PsClientOptions options;
     options.job_id = job;
     options.timeout = std::chrono::milliseconds(20000);
+    options.on_answered = [this](bool pull, uint32_t server, uint64_t bytes, double seconds) {
+      std::lock_guard lock(answered_mu_);
+      auto& a = pull ? pulls_ : pushes_;
+      ++a.count;
+      a.bytes += bytes;
+      a.servers.insert(server);
+      if (seconds < 0) ++a.negative_seconds;
+    };
     client_ = std::make_unique<worker::PsClient>(options);
     MemberSessionOptions so;
     so.job_id = job;
@@ -110,6 +120,22 @@ class PsWorker {
 
   worker::PsClient& client() { return *client_; }
   int retries() const { return retries_; }
+
+  // What the client's on_answered saw (the workers' push and pull metrics).
+  struct Answered {
+    uint64_t count = 0;
+    uint64_t bytes = 0;
+    std::set<uint32_t> servers;
+    uint64_t negative_seconds = 0;
+  };
+  Answered pushes() const {
+    std::lock_guard lock(answered_mu_);
+    return pushes_;
+  }
+  Answered pulls() const {
+    std::lock_guard lock(answered_mu_);
+    return pulls_;
+  }
 
   // Waits until the client works in an epoch newer than `epoch`.
   bool WaitEpochAfter(uint64_t epoch, std::chrono::milliseconds timeout) {
@@ -171,6 +197,8 @@ class PsWorker {
   const std::string job_;
   const uint32_t index_;
   const uint32_t contributors_;
+  mutable std::mutex answered_mu_;  // before client_, whose callbacks use it
+  Answered pushes_, pulls_;
   std::unique_ptr<worker::PsClient> client_;
   std::atomic<MemberSession*> session_{nullptr};
   std::unique_ptr<MemberSession> owned_;

@@ -1,9 +1,13 @@
 #include "worker/data_plane.h"
 
+#include <array>
+#include <map>
 #include <set>
 
 #include <prometheus/counter.h>
+#include <prometheus/family.h>
 #include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
 #include <spdlog/spdlog.h>
 
 #include "common/coordinator_rendezvous.h"
@@ -39,7 +43,30 @@ struct DataPlane::Metrics {
   prometheus::Gauge* build_seconds;
   prometheus::Counter* builds_ok;
   prometheus::Counter* builds_failed;
+  // Collectives by op, group and backend; pushes and pulls by op and server.
+  prometheus::Family<prometheus::Counter>* collectives;
+  prometheus::Family<prometheus::Counter>* collective_bytes;
+  prometheus::Family<prometheus::Counter>* collective_seconds;
+  prometheus::Family<prometheus::Counter>* ps_bytes;
+  prometheus::Family<prometheus::Histogram>* ps_seconds;
 };
+
+namespace {
+
+// The group a communicator belongs to: its name without the index
+// ("dp/3" -> "dp"), so that the labels stay bounded.
+std::string GroupOf(const std::string& name) {
+  return name.substr(0, name.find('/'));
+}
+
+// comm::Kind runs from kAllReduce (1) to kRecv.
+constexpr int kCommKinds = static_cast<int>(comm::Kind::kRecv);
+
+prometheus::Histogram::BucketBoundaries PsSecondsBuckets() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+}
+
+}  // namespace
 
 DataPlane::DataPlane(const DataPlaneConfig& config, Daemon& daemon)
     : config_(config), metrics_(std::make_unique<Metrics>()) {
@@ -65,6 +92,29 @@ DataPlane::DataPlane(const DataPlaneConfig& config, Daemon& daemon)
                      .Register(registry);
   metrics_->builds_ok = &builds.Add({{"result", "ok"}});
   metrics_->builds_failed = &builds.Add({{"result", "failed"}});
+  metrics_->collectives = &prometheus::BuildCounter()
+                               .Name("tandem_worker_collectives_total")
+                               .Help(
+                                   "Collective and point-to-point operations this worker completed, by op, "
+                                   "communicator group and backend.")
+                               .Register(registry);
+  metrics_->collective_bytes = &prometheus::BuildCounter()
+                                    .Name("tandem_worker_collective_bytes_total")
+                                    .Help("Bytes of the buffers of the completed operations, by op, group and backend.")
+                                    .Register(registry);
+  metrics_->collective_seconds =
+      &prometheus::BuildCounter()
+           .Name("tandem_worker_collective_seconds_total")
+           .Help("Time in the completed operations, waiting for late peers included, by op, group and backend.")
+           .Register(registry);
+  metrics_->ps_bytes = &prometheus::BuildCounter()
+                            .Name("tandem_worker_ps_bytes_total")
+                            .Help("Gradient bytes pushed to and parameter bytes pulled from each parameter server.")
+                            .Register(registry);
+  metrics_->ps_seconds = &prometheus::BuildHistogram()
+                              .Name("tandem_worker_ps_request_seconds")
+                              .Help("From sending a push or pull to a parameter server to its answer.")
+                              .Register(registry);
 }
 
 DataPlane::~DataPlane() {
@@ -118,7 +168,32 @@ Result<std::unique_ptr<comm::Communicator>> DataPlane::Make(const comm::CommInfo
         "data_plane.backend auto)",
         info.name, nodes.size());
   }
-  return comm::CreateCommunicator(backend, info, rendezvous, config_.backend_options);
+  auto made = comm::CreateCommunicator(backend, info, rendezvous, config_.backend_options);
+  if (made.ok() && *made) {
+    // Metrics of every operation; the families outlive the communicators.
+    // The series of every op are made here, once, not on each operation.
+    struct Series {
+      prometheus::Counter* count = nullptr;
+      prometheus::Counter* bytes = nullptr;
+      prometheus::Counter* seconds = nullptr;
+    };
+    std::array<Series, kCommKinds + 1> series;
+    for (int k = 1; k <= kCommKinds; ++k) {
+      const std::map<std::string, std::string> labels = {{"op", comm::KindName(static_cast<comm::Kind>(k))},
+                                                         {"group", GroupOf(info.name)},
+                                                         {"backend", (*made)->backend()}};
+      series[k] = {&metrics_->collectives->Add(labels), &metrics_->collective_bytes->Add(labels),
+                   &metrics_->collective_seconds->Add(labels)};
+    }
+    (*made)->SetObserver([series](comm::Kind kind, uint64_t bytes, double seconds) {
+      const Series& s = series[static_cast<size_t>(kind)];
+      if (s.count == nullptr) return;
+      s.count->Increment();
+      s.bytes->Increment(static_cast<double>(bytes));
+      s.seconds->Increment(seconds);
+    });
+  }
+  return made;
 }
 
 Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session) {
@@ -131,6 +206,12 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
       ps.job_id = session.options().job_id;
       ps.token = session.options().token;
       ps.timeout = config_.timeout;
+      ps.on_answered = [m = metrics_.get()](bool pull, uint32_t server, uint64_t bytes, double seconds) {
+        const std::map<std::string, std::string> labels = {{"op", pull ? "pull" : "push"},
+                                                           {"server", std::to_string(server)}};
+        m->ps_bytes->Add(labels).Increment(static_cast<double>(bytes));
+        m->ps_seconds->Add(labels, PsSecondsBuckets()).Observe(seconds);
+      };
       ps_client_ = std::make_unique<PsClient>(ps);
     }
     if (!manager_) {

@@ -22,6 +22,10 @@
 // coordinator (and `tandem status`) can name the ranks that never entered a
 // collective the others wait in.
 //
+// Metrics (docs/metrics.md): the epoch built and how, and every operation of
+// the communicators (by op, group and backend) and of the parameter-server
+// client (by op and server) as it completes.
+//
 // Thread safety: the hooks run on the member session's threads; Stop() from
 // the daemon's shutdown path.
 #pragma once
@@ -90,6 +94,9 @@ class DataPlane {
   Status SelfCheck();
 
   const DataPlaneConfig config_;
+  // Before the communicators and the client, whose observers use it: destroyed after them.
+  struct Metrics;
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<comm::CommManager> manager_;
   std::unique_ptr<PsClient> ps_client_;
   std::mutex mu_;
@@ -100,8 +107,6 @@ class DataPlane {
   std::condition_variable view_cv_;
   std::shared_ptr<const EpochView> built_ TANDEM_GUARDED_BY(view_mu_);
   MemberSession* session_ TANDEM_GUARDED_BY(view_mu_) = nullptr;
-  struct Metrics;
-  std::unique_ptr<Metrics> metrics_;
 };
 
 }  // namespace tandem::worker

@@ -97,6 +97,11 @@ Status Communicator::Begin(Kind kind, uint64_t* seq) {
   return Status::Ok();
 }
 
+void Communicator::Observe(Kind kind, uint64_t bytes, std::chrono::steady_clock::time_point started) const {
+  if (!observer_) return;
+  observer_(kind, bytes, std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
+}
+
 Status Communicator::Finish(Status status, bool numbered) {
   if (status.ok()) {
     if (numbered) completed_.fetch_add(1);
@@ -133,39 +138,44 @@ Status CheckOp(DType dtype, ReduceOp op) {
 
 }  // namespace
 
-#define TANDEM_COMM_RUN(kind, call)            \
-  do {                                         \
-    uint64_t seq = 0;                          \
-    TANDEM_RETURN_IF_ERROR(Begin(kind, &seq)); \
-    return Finish(call, true);                 \
+#define TANDEM_COMM_RUN(kind, bytes, call)                 \
+  do {                                                     \
+    uint64_t seq = 0;                                      \
+    TANDEM_RETURN_IF_ERROR(Begin(kind, &seq));             \
+    const auto started = std::chrono::steady_clock::now(); \
+    Status done = Finish(call, true);                      \
+    if (done.ok()) Observe(kind, bytes, started);          \
+    return done;                                           \
   } while (false)
 
 Status Communicator::AllReduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
   TANDEM_RETURN_IF_ERROR(CheckOp(dtype, op));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "allreduce input"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "allreduce output"));
-  TANDEM_COMM_RUN(Kind::kAllReduce, DoAllReduce(seq, in, out, count, dtype, op));
+  TANDEM_COMM_RUN(Kind::kAllReduce, count * collectives::SizeOf(dtype), DoAllReduce(seq, in, out, count, dtype, op));
 }
 
 Status Communicator::ReduceScatter(const void* in, void* out, size_t count, DType dtype, ReduceOp op) {
   TANDEM_RETURN_IF_ERROR(CheckOp(dtype, op));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "reduce_scatter input"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "reduce_scatter output"));
-  TANDEM_COMM_RUN(Kind::kReduceScatter, DoReduceScatter(seq, in, out, count, dtype, op));
+  TANDEM_COMM_RUN(Kind::kReduceScatter, count * static_cast<uint64_t>(size()) * collectives::SizeOf(dtype),
+                  DoReduceScatter(seq, in, out, count, dtype, op));
 }
 
 Status Communicator::AllGather(const void* in, void* out, size_t count, DType dtype) {
   TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "all_gather input"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "all_gather output"));
-  TANDEM_COMM_RUN(Kind::kAllGather, DoAllGather(seq, in, out, count, dtype));
+  TANDEM_COMM_RUN(Kind::kAllGather, count * static_cast<uint64_t>(size()) * collectives::SizeOf(dtype),
+                  DoAllGather(seq, in, out, count, dtype));
 }
 
 Status Communicator::Broadcast(void* data, size_t count, DType dtype, int root) {
   TANDEM_RETURN_IF_ERROR(CheckOp(dtype, ReduceOp::kSum));
   TANDEM_RETURN_IF_ERROR(CheckRoot(root, size(), "broadcast root"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "broadcast buffer"));
-  TANDEM_COMM_RUN(Kind::kBroadcast, DoBroadcast(seq, data, count, dtype, root));
+  TANDEM_COMM_RUN(Kind::kBroadcast, count * collectives::SizeOf(dtype), DoBroadcast(seq, data, count, dtype, root));
 }
 
 Status Communicator::Reduce(const void* in, void* out, size_t count, DType dtype, ReduceOp op, int root) {
@@ -173,11 +183,11 @@ Status Communicator::Reduce(const void* in, void* out, size_t count, DType dtype
   TANDEM_RETURN_IF_ERROR(CheckRoot(root, size(), "reduce root"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(in, count, "reduce input"));
   if (rank() == root) TANDEM_RETURN_IF_ERROR(CheckBuffer(out, count, "reduce output"));
-  TANDEM_COMM_RUN(Kind::kReduce, DoReduce(seq, in, out, count, dtype, op, root));
+  TANDEM_COMM_RUN(Kind::kReduce, count * collectives::SizeOf(dtype), DoReduce(seq, in, out, count, dtype, op, root));
 }
 
 Status Communicator::Barrier() {
-  TANDEM_COMM_RUN(Kind::kBarrier, DoBarrier(seq));
+  TANDEM_COMM_RUN(Kind::kBarrier, 0, DoBarrier(seq));
 }
 
 Status Communicator::Send(int peer, const void* data, size_t count, DType dtype) {
@@ -186,7 +196,11 @@ Status Communicator::Send(int peer, const void* data, size_t count, DType dtype)
   if (peer == rank()) return InvalidArgument("rank {} cannot send to itself", peer);
   TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "send buffer"));
   TANDEM_RETURN_IF_ERROR(Begin(Kind::kSend, nullptr));
-  return Finish(DoSend(peer, data, count * collectives::SizeOf(dtype)), false);
+  const uint64_t bytes = count * collectives::SizeOf(dtype);
+  const auto started = std::chrono::steady_clock::now();
+  Status done = Finish(DoSend(peer, data, bytes), false);
+  if (done.ok()) Observe(Kind::kSend, bytes, started);
+  return done;
 }
 
 Status Communicator::Recv(int peer, void* data, size_t count, DType dtype) {
@@ -195,7 +209,11 @@ Status Communicator::Recv(int peer, void* data, size_t count, DType dtype) {
   if (peer == rank()) return InvalidArgument("rank {} cannot receive from itself", peer);
   TANDEM_RETURN_IF_ERROR(CheckBuffer(data, count, "recv buffer"));
   TANDEM_RETURN_IF_ERROR(Begin(Kind::kRecv, nullptr));
-  return Finish(DoRecv(peer, data, count * collectives::SizeOf(dtype)), false);
+  const uint64_t bytes = count * collectives::SizeOf(dtype);
+  const auto started = std::chrono::steady_clock::now();
+  Status done = Finish(DoRecv(peer, data, bytes), false);
+  if (done.ok()) Observe(Kind::kRecv, bytes, started);
+  return done;
 }
 
 Status Communicator::SendRecv(int to, const void* send, int from, void* recv, size_t count, DType dtype) {
@@ -206,7 +224,11 @@ Status Communicator::SendRecv(int to, const void* send, int from, void* recv, si
   TANDEM_RETURN_IF_ERROR(CheckBuffer(send, count, "sendrecv send buffer"));
   TANDEM_RETURN_IF_ERROR(CheckBuffer(recv, count, "sendrecv receive buffer"));
   TANDEM_RETURN_IF_ERROR(Begin(Kind::kSend, nullptr));
-  return Finish(DoSendRecv(to, send, from, recv, count * collectives::SizeOf(dtype)), false);
+  const uint64_t bytes = count * collectives::SizeOf(dtype);
+  const auto started = std::chrono::steady_clock::now();
+  Status done = Finish(DoSendRecv(to, send, from, recv, bytes), false);
+  if (done.ok()) Observe(Kind::kSend, bytes, started);
+  return done;
 }
 
 Status Communicator::DoSendRecv(int to, const void* send, int from, void* recv, size_t bytes) {

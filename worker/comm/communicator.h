@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 
@@ -123,6 +124,17 @@ class Communicator {
   Status health() const;
   Progress progress() const;
 
+  // Sees every operation that succeeded: its kind, the bytes it carried and
+  // how long it took on this rank, from the call to its return (waiting for
+  // peers that enter late included). Bytes: the buffer of allreduce, reduce
+  // and broadcast (count elements); the whole buffer of reduce_scatter
+  // (input) and all_gather (output), count times size() elements; 0 for a
+  // barrier; the message of send and recv (a SendRecv counts as one send of
+  // its message). Set it before the first operation; it runs on the calling
+  // thread (for metrics: keep it cheap).
+  using Observer = std::function<void(Kind kind, uint64_t bytes, double seconds)>;
+  void SetObserver(Observer observer) { observer_ = std::move(observer); }
+
  protected:
   // The hooks a backend implements. Arguments are already checked (ranks in
   // range, non-null buffers when count > 0, op valid for dtype); `seq` is
@@ -154,8 +166,10 @@ class Communicator {
   // null) or records a point-to-point kind (seq null).
   Status Begin(Kind kind, uint64_t* seq);
   Status Finish(Status status, bool numbered);
+  void Observe(Kind kind, uint64_t bytes, std::chrono::steady_clock::time_point started) const;
 
   const CommInfo info_;
+  Observer observer_;
   std::atomic<bool> aborted_{false};
   std::atomic<uint64_t> entered_{0};
   std::atomic<uint64_t> completed_{0};

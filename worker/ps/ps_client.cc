@@ -6,6 +6,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/member_session.h"
+
 namespace tandem::worker {
 namespace {
 
@@ -144,6 +146,10 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   group->epoch = epoch.epoch();
   group->map = epoch.shard_map();
   group->group = std::move(ps_group);
+  for (const auto& peer : epoch.peers()) {
+    if (peer.role() != v1::ROLE_SERVER) continue;
+    if (auto rank = ServerRank(epoch, peer.member_id())) group->server_rank[peer.member_id()] = *rank;
+  }
   std::vector<int> servers = group->group.Ranks(v1::ROLE_SERVER);
   std::weak_ptr<Group> weak = group;
   transport::FrameChannel::Handler handler;
@@ -197,6 +203,11 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
     return op;
   }
   op->rank_ = rank->second;
+  if (auto server = group->server_rank.find(partition.primary_member_id()); server != group->server_rank.end()) {
+    op->server_ = server->second;
+  }
+  op->bytes_ = bytes;
+  op->sent_ = std::chrono::steady_clock::now();
   header.request_id = next_request_.fetch_add(1);
   {
     std::lock_guard lock(group->mu);
@@ -270,6 +281,11 @@ void PsClient::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::
   if (status.ok() && h.type == ps::FrameType::kPullReply && payload != op->dst_) {
     status = InvalidArgument("pull of partition {}: the server sent {} bytes, the buffer holds {}", h.partition,
                              h.payload_bytes, op->dst_bytes_);
+  }
+  if (status.ok() && options_.on_answered) {
+    const bool pull = h.type == ps::FrameType::kPullReply;
+    options_.on_answered(pull, op->server_, pull ? h.payload_bytes : op->bytes_,
+                         std::chrono::duration<double>(std::chrono::steady_clock::now() - op->sent_).count());
   }
   op->Complete(h, std::move(status));
 }

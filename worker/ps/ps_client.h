@@ -51,6 +51,13 @@ struct PsClientOptions {
   // Makes the gRPC channel to a server's control address (TLS settings);
   // unset: insecure channels.
   std::function<Result<std::shared_ptr<grpc::Channel>>(const std::string& address)> make_channel;
+  // Sees every push and pull the server answered successfully (for metrics):
+  // whether it was a pull, the server (its rank among the epoch's servers,
+  // ServerRank in common/member_session.h), the payload bytes (the gradient
+  // pushed, the parameters pulled) and the seconds from sending the request
+  // to its answer (for a pull, waiting for the step to be applied included).
+  // Runs on the client's receiving thread.
+  std::function<void(bool pull, uint32_t server, uint64_t bytes, double seconds)> on_answered;
 };
 
 // One push or pull in flight.
@@ -76,6 +83,9 @@ class PsOp {
   void* dst_ = nullptr;  // pulls: where the values go
   size_t dst_bytes_ = 0;
   int rank_ = -1;
+  uint32_t server_ = 0;  // the server's rank among the epoch's servers
+  size_t bytes_ = 0;     // pushes: the payload sent
+  std::chrono::steady_clock::time_point sent_;
 };
 
 class PsClient {
@@ -132,6 +142,7 @@ class PsClient {
     uint64_t epoch = 0;
     v1::ShardMap map;
     transport::PsGroup group;
+    std::map<uint64_t, uint32_t> server_rank;  // member id -> rank among the epoch's servers
     std::unique_ptr<transport::FrameChannel> channel;
     std::mutex mu;
     std::map<uint64_t, std::shared_ptr<PsOp>> ops TANDEM_GUARDED_BY(mu);
