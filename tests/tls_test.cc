@@ -1,11 +1,19 @@
 // TLS and mutual TLS between real processes, with certificates made by
 // openssl for the test: a client without a valid certificate is refused, and
-// a member reaches a coordinator that requires client certificates.
+// a member reaches a coordinator that requires client certificates, and
+// hybrid training runs with every gRPC channel (coordinator, servers) on
+// mutual TLS.
+#include <fstream>
+#include <string>
+#include <thread>
+
 #include <gtest/gtest.h>
 
 #include "cli/launcher.h"
 #include "launch_util.h"
 #include "test_util.h"
+#include "worker/model/model.h"
+#include "worker/runtime/trainer.h"
 
 namespace tandem {
 namespace {
@@ -95,6 +103,57 @@ TEST_F(TlsTest, MutualTlsAdmitsOnlyClientsWithAValidCertificate) {
   EXPECT_TRUE(ready.exit.success()) << ready.output << testing::ReadFile(worker->log_file);
 
   EXPECT_TRUE(worker->process->Stop(milliseconds(5000)).success());
+  EXPECT_TRUE(coordinator->process->Stop(milliseconds(5000)).success());
+}
+
+TEST_F(TlsTest, HybridTrainingRunsWithEveryChannelOnMutualTls) {
+  const std::string d = dir_.path();
+  worker::TrainConfig train;
+  train.steps = 3;
+  train.mode = "hybrid";
+  train.layers = 1;
+  train.d_model = 16;
+  train.heads = 2;
+  train.context = 8;
+  train.global_batch = 2;
+  train.progress_file = d + "/progress.jsonl";
+  train.epoch_wait = milliseconds(20000);
+  train.step_timeout = milliseconds(20000);
+  auto model = worker::ModelConfigOf(train);
+  ASSERT_TRUE(model.ok()) << model.status().ToString();
+  uint64_t parameters = 0;
+  for (const auto& t : model::TensorLayout(*model)) parameters += t.size;
+
+  std::vector<std::string> coordinator_args = ServerTls();
+  coordinator_args.insert(coordinator_args.end(),
+                          {"--job-min-workers", "1", "--job-min-servers", "1", "--job-last-call-window", "0s",
+                           "--job-parameter-count", std::to_string(parameters), "--job-partition-size", "4KiB"});
+  auto coordinator = Start("tandem-coordinator", coordinator_args);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  // Members serve with the server certificate and use it as their client certificate.
+  std::vector<std::string> member = ServerTls();
+  member.insert(member.end(),
+                {"--tls-server-name", "localhost", "--coordinator-address", coordinator->ready.grpc_address});
+  std::vector<std::string> server_args = member;
+  server_args.insert(server_args.end(), {"--node-id", "node-s"});
+  auto server = testing::StartDaemon("tandem-server", "server", d, server_args);
+  ASSERT_TRUE(server.ok()) << server.status().ToString();
+  std::vector<std::string> worker_args = member;
+  worker_args.insert(worker_args.end(), {"--node-id", "node-w"});
+  for (const auto& f : worker::TrainFlags(train)) worker_args.push_back(f);
+  auto worker = testing::StartDaemon("tandem-worker", "worker", d, worker_args);
+  ASSERT_TRUE(worker.ok()) << worker.status().ToString();
+
+  int lines = 0;
+  for (int i = 0; i < 400 && lines < 3; ++i) {
+    std::this_thread::sleep_for(milliseconds(50));
+    std::ifstream in(train.progress_file);
+    lines = 0;
+    for (std::string line; std::getline(in, line);) ++lines;
+  }
+  EXPECT_EQ(lines, 3) << testing::ReadFile(worker->log_file) << testing::ReadFile(server->log_file);
+  EXPECT_TRUE(worker->process->Stop(milliseconds(5000)).success());
+  EXPECT_TRUE(server->process->Stop(milliseconds(5000)).success());
   EXPECT_TRUE(coordinator->process->Stop(milliseconds(5000)).success());
 }
 

@@ -11,6 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/coordinator_rendezvous.h"
+#include "common/grpc_util.h"
 
 namespace tandem::worker {
 
@@ -69,7 +70,10 @@ prometheus::Histogram::BucketBoundaries PsSecondsBuckets() {
 }  // namespace
 
 DataPlane::DataPlane(const DataPlaneConfig& config, Daemon& daemon)
-    : config_(config), metrics_(std::make_unique<Metrics>()) {
+    : config_(config),
+      tls_(daemon.config().tls),
+      max_message_bytes_(daemon.config().max_message_bytes),
+      metrics_(std::make_unique<Metrics>()) {
   auto& registry = daemon.registry();
   metrics_->epoch = &prometheus::BuildGauge()
                          .Name("tandem_worker_data_plane_epoch")
@@ -206,6 +210,9 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
       ps.job_id = session.options().job_id;
       ps.token = session.options().token;
       ps.timeout = config_.timeout;
+      ps.make_channel = [tls = tls_, limit = max_message_bytes_](const std::string& address) {
+        return MakeChannel(address, tls, limit);
+      };
       ps.on_answered = [m = metrics_.get()](bool pull, uint32_t server, uint64_t bytes, double seconds) {
         const std::map<std::string, std::string> labels = {{"op", pull ? "pull" : "push"},
                                                            {"server", std::to_string(server)}};

@@ -94,6 +94,9 @@ class DataPlane {
   Status SelfCheck();
 
   const DataPlaneConfig config_;
+  // The daemon's TLS settings and message limit, for the channels to the servers.
+  const TlsConfig tls_;
+  const uint64_t max_message_bytes_;
   // Before the communicators and the client, whose observers use it: destroyed after them.
   struct Metrics;
   std::unique_ptr<Metrics> metrics_;
