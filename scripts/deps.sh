@@ -21,8 +21,9 @@ PACKAGES=(
   libopenblas-dev
   # tests and benchmarks
   googletest libgtest-dev libgmock-dev libbenchmark-dev
-  # promtool checks the /metrics pages in tests; openssl makes test certificates
-  prometheus openssl
+  # promtool checks the /metrics pages and the rules in tests, and the Prometheus
+  # test runs the server (a python3 script); openssl makes test certificates
+  prometheus python3 openssl
   # network namespaces for multi-node tests
   iproute2 procps
 )
