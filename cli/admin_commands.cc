@@ -102,6 +102,7 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
     out += fmt::format("rendezvous: {} worker(s) and {} server(s) waiting\n", s.rendezvous().waiting_workers(),
                        s.rendezvous().waiting_servers());
   }
+  if (!s.waiting_reason().empty()) out += s.waiting_reason() + "\n";
   out += fmt::format("\n  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>9}  {}\n", "MEMBER", "ROLE",
                      "STATE", "RANK", "NODE", "LOCAL", "NODE ID", "GPUS", "STEP", "HEARTBEAT", "HEALTH");
   auto members = s.members();

@@ -19,11 +19,27 @@
 #include "cli/node_network.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
+#include "tandem/v1/coordinator.grpc.pb.h"
 #include "tandem/v1/server.grpc.pb.h"
 #include "worker/model/model.h"
 
 namespace tandem::cli {
 namespace {
+
+// Sets the job's minimum number of workers through the coordinator's admin
+// API (the launcher's coordinator has no TLS and no admin token).
+Status ScaleJob(const std::string& coordinator, uint32_t min_workers) {
+  TANDEM_ASSIGN_OR_RETURN(auto channel, MakeChannel(coordinator, TlsConfig{}));
+  auto stub = v1::CoordinatorAdmin::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ScaleRequest request;
+  request.set_job_id("default");
+  request.set_min_workers(min_workers);
+  v1::ScaleResponse response;
+  return Status::FromGrpc(stub->Scale(&ctx, request, &response))
+      .WithContext(fmt::format("raising the job's minimum to {} workers", min_workers));
+}
 
 using Clock = std::chrono::steady_clock;
 
@@ -325,7 +341,16 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
         (o.kill_worker_at == 0 || (killed && last > killed_at))) {
       added = true;
       const int node = static_cast<int>(o.nodes - 1);
-      Status s = launch_worker(node);
+      // The job's minimum goes up by one first: training pauses at the next
+      // step boundary until the new worker is in, so that it joins at this
+      // step however long it takes to start.
+      const uint32_t wanted = records.rbegin()->second.world_size + 1;
+      Status s = ScaleJob(coordinator, wanted);
+      if (s.ok()) {
+        event(fmt::format("step {}: raised the job's minimum to {} workers: training pauses until the new worker joins",
+                          last, wanted));
+        s = launch_worker(node);
+      }
       if (!s.ok()) {
         summary.failure = "starting the added worker: " + s.message();
         event("Failed: " + summary.failure);

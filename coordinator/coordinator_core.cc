@@ -633,7 +633,7 @@ void CoordinatorCore::MaybeCloseRendezvous(Job& job) {
   }
 }
 
-bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail) {
+bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail, bool pause) {
   job.window_closes.reset();
   // Workers: survivors by their previous rank, then joiners in registration order, up to max_workers.
   std::vector<const Member*> candidates;
@@ -666,9 +666,10 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     spdlog::warn("job '{}': {}", job.spec.job_id(), job.waiting_reason);
     return false;
   }
+  const bool paused = plan->ranked.size() < job.spec.min_workers() && (pause || job.latest.paused());
   // Nothing changed (for example, the only joiners do not fit the mesh and
   // stay on standby): publish nothing, so members do not rebuild for nothing.
-  if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE) {
+  if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE && paused == job.latest.paused()) {
     std::set<std::pair<uint64_t, uint32_t>> before;
     std::set<std::pair<uint64_t, uint32_t>> after;
     for (const auto& p : job.latest.peers()) before.emplace(p.member_id(), p.has_rank() ? p.rank().global_rank() : ~0u);
@@ -690,6 +691,7 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
   epoch.set_cause_detail(detail);
   epoch.set_worker_count(static_cast<uint32_t>(plan->ranked.size()));
   epoch.set_server_count(static_cast<uint32_t>(servers.size()));
+  epoch.set_paused(paused);
   std::set<uint64_t> ranked_ids;
   for (const auto& [member_id, rank] : plan->ranked) {
     const Member& m = job.members[member_id];
@@ -769,9 +771,16 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
   Commit(std::move(r));
   ++stats_.epochs_published;
   job.waiting_reason = plan->standby.empty() ? "" : "standby: " + plan->standby_reason;
-  spdlog::info("job '{}': epoch {} published ({}): {} workers (dp={} tp={} pp={}), {} servers{}", job.spec.job_id(),
+  if (paused) {
+    job.waiting_reason = fmt::format(
+        "training paused: {} of the {} workers the job needs (min_workers); waiting for "
+        "joins",
+        epoch.worker_count(), job.spec.min_workers());
+  }
+  spdlog::info("job '{}': epoch {} published ({}): {} workers (dp={} tp={} pp={}), {} servers{}{}", job.spec.job_id(),
                epoch.epoch(), detail, epoch.worker_count(), epoch.mesh().dp(), epoch.mesh().tp(), epoch.mesh().pp(),
-               epoch.server_count(), plan->standby.empty() ? "" : fmt::format(", {} on standby", plan->standby.size()));
+               epoch.server_count(), plan->standby.empty() ? "" : fmt::format(", {} on standby", plan->standby.size()),
+               paused ? fmt::format("; training paused below the minimum of {} workers", job.spec.min_workers()) : "");
   return true;
 }
 
@@ -1227,6 +1236,7 @@ Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequ
       *response.add_stalled_collectives() = std::move(stalled);
     }
   }
+  response.set_waiting_reason(job.waiting_reason);
   auto* rv = response.mutable_rendezvous();
   rv->set_open(job.latest.epoch() == 0 || job.window_closes.has_value());
   rv->set_waiting_workers(waiting_workers);
@@ -1289,11 +1299,19 @@ Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v
     reply.response.add_drained_member_ids(id);
     --workers;
   }
+  const bool running = job->latest.epoch() > 0 && job->latest.worker_count() > 0;
   if (reply.response.drained_member_ids_size() > 0) {
     PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN, fmt::format("scaled to at most {} workers", spec.max_workers()));
-  } else {
-    MaybeCloseRendezvous(*job);
+  } else if (running && workers < spec.min_workers() && !job->latest.paused()) {
+    // Below the new minimum: training pauses until joins bring the count up.
+    PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN,
+                 fmt::format("scaled to at least {} workers; {} in the job", spec.min_workers(), workers),
+                 /*pause=*/true);
+  } else if (running && workers >= spec.min_workers() && job->latest.paused()) {
+    PublishEpoch(*job, v1::EPOCH_CAUSE_ADMIN,
+                 fmt::format("scaled to at least {} workers: training resumes", spec.min_workers()));
   }
+  MaybeCloseRendezvous(*job);
   spdlog::info("job '{}': scaled to {}..{} workers", job->spec.job_id(), spec.min_workers(), spec.max_workers());
   *reply.response.mutable_job_spec() = job->spec;
   reply.response.set_workers(workers);

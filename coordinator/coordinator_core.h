@@ -204,7 +204,10 @@ class CoordinatorCore {
 
   // Forms and publishes the next epoch from the job's live members. Returns
   // false (with job.waiting_reason set) if none can form.
-  bool PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail) TANDEM_REQUIRES(mu_);
+  // `pause`: the epoch is paused if it has fewer workers than min_workers
+  // (Scale raised the minimum). An epoch also stays paused, below the
+  // minimum, when the latest one is.
+  bool PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail, bool pause = false) TANDEM_REQUIRES(mu_);
   void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
   void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
   // Marks members dead (id, why), counts one failure per host, and publishes

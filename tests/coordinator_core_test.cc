@@ -687,6 +687,74 @@ TEST_F(CoreTest, DrainAndScaleDown) {
   EXPECT_EQ(core_->Scale(scale).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Raising min_workers above the workers a job has pauses training: an epoch
+// with the same members and `paused`; later epochs stay paused while the job
+// is below the minimum, and the epoch that admits enough joiners resumes it.
+// A failure below the minimum alone does not pause (survivors go on).
+TEST_F(CoreTest, ScalingTheMinimumAboveTheWorkersPausesTrainingUntilJoins) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 4)).ok());
+  const M a = Join("n0");
+  const M b = Join("n1");
+  const M c = Join("n2");
+  Tick(milliseconds(600));
+  auto e = Latest(a);
+  ASSERT_EQ(e.worker_count(), 3u);
+  EXPECT_FALSE(e.paused());
+  AckAll(e);
+  // c dies: 2 workers, at the minimum; then the minimum is raised to 2 (no change) and 3.
+  TickWithout(milliseconds(3100), {c.id});
+  e = Latest(a);
+  ASSERT_EQ(e.cause(), v1::EPOCH_CAUSE_FAILURE);
+  ASSERT_EQ(e.worker_count(), 2u);
+  EXPECT_FALSE(e.paused());
+  AckAll(e);
+  const uint64_t before = e.epoch();
+  v1::ScaleRequest scale;
+  scale.set_job_id("j");
+  scale.set_min_workers(2);
+  ASSERT_TRUE(core_->Scale(scale).ok());
+  EXPECT_EQ(Latest(a).epoch(), before);  // nothing to pause
+  scale.set_min_workers(4);
+  auto scaled = core_->Scale(scale);
+  ASSERT_TRUE(scaled.ok()) << scaled.status().ToString();
+  EXPECT_EQ(scaled->response.workers(), 2u);
+  e = Latest(a);
+  EXPECT_EQ(e.epoch(), before + 1);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_ADMIN);
+  EXPECT_EQ(e.worker_count(), 2u);
+  EXPECT_TRUE(e.paused());
+  EXPECT_NE(Status_().waiting_reason().find("training paused: 2 of the 4 workers"), std::string::npos)
+      << Status_().waiting_reason();
+  AckAll(e);
+  // A second raise while paused publishes nothing new.
+  scale.set_min_workers(3);
+  ASSERT_TRUE(core_->Scale(scale).ok());
+  EXPECT_EQ(Latest(a).epoch(), before + 1);
+  // One joiner: 3 of 3, training resumes.
+  const M d = Join("n3");
+  Tick(milliseconds(600));
+  e = Latest(a);
+  EXPECT_EQ(e.epoch(), before + 2);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
+  EXPECT_EQ(e.worker_count(), 3u);
+  EXPECT_FALSE(e.paused());
+  EXPECT_TRUE(Ranks(e).count(d.id));
+  AckAll(e);
+  // Raised again, then lowered: paused, then resumed with the same members.
+  scale.set_min_workers(4);
+  ASSERT_TRUE(core_->Scale(scale).ok());
+  EXPECT_TRUE(Latest(a).paused());
+  AckAll(Latest(a));
+  scale.set_min_workers(1);
+  ASSERT_TRUE(core_->Scale(scale).ok());
+  e = Latest(a);
+  EXPECT_EQ(e.epoch(), before + 4);
+  EXPECT_FALSE(e.paused());
+  EXPECT_EQ(e.worker_count(), 3u);
+  (void)b;
+}
+
 TEST_F(CoreTest, EpochValuesArePerEpochAndSetOnce) {
   Open();
   ASSERT_TRUE(core_->CreateJob(Spec(1, 1)).ok());

@@ -210,6 +210,20 @@ Result<StepPlan> Runtime::BeginStep() {
       }
       resynced = true;
     }
+    if (view->epoch.paused()) {
+      // Paused (the job is below its minimum of workers): every member has
+      // resynchronised at the epoch's start, and none trains until a later
+      // epoch. No time limit: a join or an operator ends the pause.
+      if (paused_epoch_ != view->epoch.epoch()) {
+        paused_epoch_ = view->epoch.epoch();
+        spdlog::info(
+            "epoch {}: training paused after step {}: the job has {} workers, below its minimum; waiting "
+            "for workers to join",
+            view->epoch.epoch(), completed_, view->epoch.worker_count());
+      }
+      (void)plane_.WaitNewer(view->epoch.epoch(), std::chrono::milliseconds(500));
+      continue;
+    }
     break;
   }
   in_step_ = true;

@@ -39,7 +39,10 @@
 // was cut off); in allreduce mode the ranks agree on the highest completed
 // step and the lowest rank that completed it broadcasts parameters and
 // optimizer state. The loop then retries from the step after it, with the
-// new data-parallel rank and size: no checkpoint, no restart.
+// new data-parallel rank and size: no checkpoint, no restart. In a paused
+// epoch (MembershipEpoch.paused: the job is below the minimum of workers an
+// operator asked for) BeginStep resynchronises and then waits, without a time
+// limit, for the next epoch.
 //
 // Thread safety: BeginStep, GradientsReady and EndStep are called from the
 // training thread only. Stop() may be called from any thread.
@@ -202,6 +205,7 @@ class Runtime {
   // The synced epoch and what was derived from it.
   uint64_t synced_epoch_ = 0;
   uint64_t failed_epoch_ = 0;
+  uint64_t paused_epoch_ = 0;  // the last paused epoch announced in the log
   Status last_failure_;
   uint64_t completed_ = 0;
   std::shared_ptr<const DataPlane::EpochView> view_;
