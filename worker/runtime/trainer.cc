@@ -166,6 +166,11 @@ struct TrainMetrics {
                               .Help("Tokens of the global batch per second of the last step's wall time.")
                               .Register(r)
                               .Add({})),
+        samples_per_second(prometheus::BuildGauge()
+                               .Name("tandem_train_samples_per_second")
+                               .Help("Sequences of the global batch per second of the last step's wall time.")
+                               .Register(r)
+                               .Add({})),
         world_size(prometheus::BuildGauge()
                        .Name("tandem_train_world_size")
                        .Help("Workers in the epoch of the last completed step.")
@@ -197,6 +202,11 @@ struct TrainMetrics {
                    .Help("Tokens of the global batches of the steps this worker completed.")
                    .Register(r)
                    .Add({})),
+        samples(prometheus::BuildCounter()
+                    .Name("tandem_train_samples_total")
+                    .Help("Sequences of the global batches of the steps this worker completed.")
+                    .Register(r)
+                    .Add({})),
         comm_seconds(prometheus::BuildCounter()
                          .Name("tandem_train_comm_seconds_total")
                          .Help("Time the communication thread worked on completed steps.")
@@ -210,12 +220,14 @@ struct TrainMetrics {
   prometheus::Gauge& step;
   prometheus::Gauge& loss;
   prometheus::Gauge& tokens_per_second;
+  prometheus::Gauge& samples_per_second;
   prometheus::Gauge& world_size;
   prometheus::Gauge& exposed_ratio;
   prometheus::Histogram& step_seconds;
   prometheus::Counter& steps;
   prometheus::Counter& failures;
   prometheus::Counter& tokens;
+  prometheus::Counter& samples;
   prometheus::Counter& comm_seconds;
   prometheus::Counter& exposed_seconds;
 };
@@ -521,6 +533,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     record.epoch = result->epoch;
     record.loss = result->loss;
     record.tokens = result->tokens;
+    record.samples = result->samples;
     record.step_seconds = Seconds(Clock::now() - t0);
     record.compute_seconds = Seconds(t1 - t0);
     record.comm_seconds = result->comm_seconds;
@@ -536,10 +549,12 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       metrics->loss.Set(record.loss);
       metrics->world_size.Set(record.world_size);
       metrics->tokens_per_second.Set(static_cast<double>(record.tokens) / record.step_seconds);
+      metrics->samples_per_second.Set(static_cast<double>(record.samples) / record.step_seconds);
       metrics->exposed_ratio.Set(record.exposed_seconds / record.step_seconds);
       metrics->step_seconds.Observe(record.step_seconds);
       metrics->steps.Increment();
       metrics->tokens.Increment(static_cast<double>(record.tokens));
+      metrics->samples.Increment(static_cast<double>(record.samples));
       metrics->comm_seconds.Increment(record.comm_seconds);
       metrics->exposed_seconds.Increment(record.exposed_seconds);
     }

@@ -83,6 +83,7 @@ struct StepRecord {
   uint64_t epoch = 0;
   double loss = 0;  // NaN: the step completed on the servers while this worker lost its result
   uint64_t tokens = 0;
+  uint64_t samples = 0;  // sequences of the global batch
   double step_seconds = 0;
   double compute_seconds = 0;
   double comm_seconds = 0;
