@@ -1,7 +1,6 @@
 #include "common/coordinator_rendezvous.h"
 
 #include <algorithm>
-#include <thread>
 
 #include <google/protobuf/util/time_util.h>
 
@@ -40,6 +39,31 @@ CoordinatorRendezvous::CoordinatorRendezvous(std::shared_ptr<grpc::Channel> chan
                                              CoordinatorRendezvousOptions options)
     : stub_(v1::Coordinator::NewStub(std::move(channel))), options_(std::move(options)) {}
 
+void CoordinatorRendezvous::Cancel(const std::string& reason) {
+  std::lock_guard lock(mu_);
+  cancelled_ = reason.empty() ? "cancelled" : reason;
+  cancelled_flag_ = true;
+  if (current_ != nullptr) current_->TryCancel();
+  cv_.notify_all();
+}
+
+Status CoordinatorRendezvous::Track(grpc::ClientContext* ctx) {
+  std::lock_guard lock(mu_);
+  current_ = ctx;
+  if (!cancelled_.empty()) {
+    current_ = nullptr;
+    return Cancelled("rendezvous of epoch {}: {}", options_.epoch, cancelled_);
+  }
+  return Status::Ok();
+}
+
+Status CoordinatorRendezvous::Pause(steady_clock_duration pause) {
+  std::unique_lock lock(mu_);
+  cv_.wait_for(lock, pause, [&] { return !cancelled_.empty(); });
+  if (!cancelled_.empty()) return Cancelled("rendezvous of epoch {}: {}", options_.epoch, cancelled_);
+  return Status::Ok();
+}
+
 Status CoordinatorRendezvous::Put(const std::string& key, const std::string& value) {
   TANDEM_RETURN_IF_ERROR(CheckKey(key));
   if (value.size() > kMaxValueBytes) {
@@ -60,13 +84,15 @@ Status CoordinatorRendezvous::Put(const std::string& key, const std::string& val
     grpc::ClientContext ctx;
     ctx.set_deadline(Deadline(std::max(left, milliseconds(1))));
     v1::PutEpochValueResponse response;
+    TANDEM_RETURN_IF_ERROR(Track(&ctx));
     const grpc::Status s = stub_->PutEpochValue(&ctx, request, &response);
+    TANDEM_RETURN_IF_ERROR(Track(nullptr));
     if (s.ok()) return Status::Ok();
     if (!Transient(s) || steady_clock::now() + pause >= deadline) {
       return Status::FromGrpc(s).WithContext(
           fmt::format("publishing rendezvous key {} for epoch {}", key, options_.epoch));
     }
-    std::this_thread::sleep_for(pause);
+    TANDEM_RETURN_IF_ERROR(Pause(pause));
     pause = std::min(pause * 2, options_.poll_max);
   }
 }
@@ -91,7 +117,9 @@ Result<std::string> CoordinatorRendezvous::Get(const std::string& key, milliseco
     ctx.set_deadline(Deadline(wait + kRpcSlack));
     v1::GetEpochValuesResponse response;
     polls_.fetch_add(1, std::memory_order_relaxed);
+    TANDEM_RETURN_IF_ERROR(Track(&ctx));
     const grpc::Status s = stub_->GetEpochValues(&ctx, request, &response);
+    TANDEM_RETURN_IF_ERROR(Track(nullptr));
     if (s.ok()) {
       if (auto it = response.values().find(key); it != response.values().end()) return it->second;
     } else if (Transient(s)) {
@@ -105,7 +133,7 @@ Result<std::string> CoordinatorRendezvous::Get(const std::string& key, milliseco
       return DeadlineExceeded("rendezvous key {} did not appear in epoch {} within {} ms{}", key, options_.epoch,
                               timeout.count(), last.ok() ? "" : " (last error: " + last.ToString() + ")");
     }
-    std::this_thread::sleep_for(std::min<steady_clock::duration>(pause, deadline - now));
+    TANDEM_RETURN_IF_ERROR(Pause(std::min<steady_clock::duration>(pause, deadline - now)));
     pause = std::min(pause * 2, options_.poll_max);
   }
 }

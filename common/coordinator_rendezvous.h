@@ -21,13 +21,19 @@
 // superseded epoch, NOT_FOUND for an unknown member or session, ...) are
 // returned at once, with the key named.
 //
-// Thread safety: thread-safe (gRPC stubs are).
+// Cancel() makes every Put and Get in progress, and every later one, fail
+// promptly with CANCELLED: a worker that shuts down while it builds an
+// epoch's communicators does not wait for the epoch's peers.
+//
+// Thread safety: thread-safe.
 #pragma once
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
@@ -55,10 +61,16 @@ struct CoordinatorRendezvousOptions {
 
 class CoordinatorRendezvous : public Rendezvous {
  public:
+  using steady_clock_duration = std::chrono::steady_clock::duration;
   CoordinatorRendezvous(std::shared_ptr<grpc::Channel> channel, CoordinatorRendezvousOptions options);
 
   Status Put(const std::string& key, const std::string& value) override;
   Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) override;
+
+  // Fails the calls in progress and every later one with CANCELLED and
+  // `reason`.
+  void Cancel(const std::string& reason);
+  bool cancelled() const override { return cancelled_flag_.load(); }
 
   uint64_t epoch() const { return options_.epoch; }
   // GetEpochValues calls made so far (for tests and diagnostics).
@@ -68,6 +80,15 @@ class CoordinatorRendezvous : public Rendezvous {
   const std::unique_ptr<v1::Coordinator::Stub> stub_;
   const CoordinatorRendezvousOptions options_;
   std::atomic<uint64_t> polls_{0};
+  // Registers the call about to be made (null: it is done); an error once cancelled.
+  Status Track(grpc::ClientContext* ctx);
+  // Sleeps for `pause` unless cancelled meanwhile; an error once cancelled.
+  Status Pause(steady_clock_duration pause);
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::string cancelled_;  // the reason; empty: not cancelled
+  std::atomic<bool> cancelled_flag_{false};
+  grpc::ClientContext* current_ = nullptr;
 };
 
 }  // namespace tandem::comm

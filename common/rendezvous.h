@@ -31,6 +31,10 @@ class Rendezvous {
   // Waits up to `timeout` for `key`; DEADLINE_EXCEEDED naming the key if it
   // never appears.
   virtual Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) = 0;
+  // True once whoever builds with this rendezvous gave up (the process is
+  // stopping): waits that follow it, such as a transport's handshake with
+  // the peers it found, end early too.
+  virtual bool cancelled() const { return false; }
 };
 
 // Files in a directory (created if missing); values are written to a

@@ -641,6 +641,23 @@ TEST(CoordinatorRendezvousTest, PutAndGetThroughTheCoordinator) {
   EXPECT_NE(refused.message().find("nccl/world"), std::string::npos) << refused.ToString();
   EXPECT_LT(Clock::now() - asked, milliseconds(2000));
 
+  // Cancel (a worker shutting down) fails a waiting Get promptly, and every later call.
+  {
+    CoordinatorRendezvous rc(coordinator.channel(), options(b));
+    Result<std::string> cancelled = Status(StatusCode::kUnknown, "not run");
+    std::thread waiter3([&] { cancelled = rc.Get("never/published", milliseconds(20000)); });
+    std::this_thread::sleep_for(milliseconds(100));
+    const auto cancel_at = Clock::now();
+    rc.Cancel("the worker is shutting down");
+    waiter3.join();
+    EXPECT_LT(Clock::now() - cancel_at, milliseconds(1000));
+    EXPECT_EQ(cancelled.status().code(), StatusCode::kCancelled) << cancelled.status().ToString();
+    EXPECT_NE(cancelled.status().message().find("the worker is shutting down"), std::string::npos)
+        << cancelled.status().ToString();
+    EXPECT_EQ(rc.Put("late/key", "v").code(), StatusCode::kCancelled);
+    EXPECT_EQ(rc.Get("nccl/world", milliseconds(1000)).status().code(), StatusCode::kCancelled);
+  }
+
   // When the epoch is superseded (a leaves), a waiting Get fails promptly.
   Result<std::string> aborted = Status(StatusCode::kUnknown, "not run");
   Clock::time_point aborted_at;

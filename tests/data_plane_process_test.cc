@@ -136,5 +136,40 @@ TEST(DataPlaneProcessTest, GroupsAcrossNodesUseUcx) {
   }
 }
 
+// A worker told to stop while it builds an epoch whose peer never publishes
+// its address (the peer is frozen with SIGSTOP: alive to the coordinator)
+// stops at once, not after the data plane's timeout.
+TEST(DataPlaneProcessTest, AWorkerStoppedWhileItWaitsForAPeerStopsPromptly) {
+  testing::TempDir dir;
+  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(),
+                                          {"--job-min-workers", "2", "--job-max-workers", "2",
+                                           "--job-heartbeat-deadline", "60s", "--job-stream-grace", "60s"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  const std::vector<std::string> args = {
+      "--coordinator-address", coordinator->ready.grpc_address, "--node-id", "node-a", "--data-plane-timeout", "60s"};
+  auto frozen = testing::StartDaemon("tandem-worker", "worker-frozen", dir.path(), args);
+  ASSERT_TRUE(frozen.ok()) << frozen.status().ToString();
+  ASSERT_TRUE(frozen->process->Signal(SIGSTOP).ok());
+  auto waiting = testing::StartDaemon("tandem-worker", "worker-waiting", dir.path(), args);
+  ASSERT_TRUE(waiting.ok()) << waiting.status().ToString();
+  // Epoch 1 forms, and the running worker starts building it.
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] { return testing::ReadFile(waiting->log_file).find("epoch 1: rank") != std::string::npos; },
+      milliseconds(20000)))
+      << testing::ReadFile(waiting->log_file);
+  std::this_thread::sleep_for(milliseconds(200));
+  ASSERT_TRUE(waiting->process->Signal(SIGTERM).ok());
+  const auto stopped = std::chrono::steady_clock::now();
+  auto exit = waiting->process->Wait(milliseconds(20000));
+  ASSERT_TRUE(exit.ok());
+  EXPECT_EQ(exit->code, 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - stopped, milliseconds(5000)) << testing::ReadFile(waiting->log_file);
+  EXPECT_NE(testing::ReadFile(waiting->log_file).find("building the data plane stopped: the worker is shutting down"),
+            std::string::npos)
+      << testing::ReadFile(waiting->log_file);
+  ASSERT_TRUE(frozen->process->Signal(SIGKILL).ok());
+  (void)frozen->process->Wait(milliseconds(5000));
+}
+
 }  // namespace
 }  // namespace tandem

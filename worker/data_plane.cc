@@ -144,6 +144,10 @@ Status DataPlane::Hook(MemberHooks* hooks) {
 void DataPlane::Stop() {
   stopping_ = true;
   {
+    std::lock_guard lock(building_mu_);
+    if (building_ != nullptr) building_->Cancel("the worker is shutting down");
+  }
+  {
     std::lock_guard lock(view_mu_);
     view_cv_.notify_all();
   }
@@ -242,10 +246,24 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   rv.token = session.options().token;
   rv.epoch = epoch.epoch();
   comm::CoordinatorRendezvous rendezvous(session.channel(), rv);
+  {
+    // Stop() cancels the build from here on (it may wait on peers that are gone).
+    std::lock_guard lock(building_mu_);
+    if (stopping_) return Status::Ok();
+    building_ = &rendezvous;
+  }
   Status built = manager_->SetEpoch(epoch, rendezvous);
   if (built.ok() && config_.self_check) built = SelfCheck();
   if (built.ok() && epoch.server_count() > 0 && epoch.shard_map().partitions_size() > 0) {
     built = ps_client_->SetEpoch(epoch, session.member_id(), rendezvous);
+  }
+  {
+    std::lock_guard lock(building_mu_);
+    building_ = nullptr;
+  }
+  if (!built.ok() && stopping_) {
+    spdlog::info("epoch {}: building the data plane stopped: the worker is shutting down", epoch.epoch());
+    return built;
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   metrics_->build_seconds->Set(seconds);

@@ -38,6 +38,7 @@
 #include <string>
 
 #include "common/coordinator_link.h"
+#include "common/coordinator_rendezvous.h"
 #include "common/daemon.h"
 #include "worker/comm/comm_manager.h"
 #include "worker/comm/factory.h"
@@ -110,6 +111,9 @@ class DataPlane {
   std::condition_variable view_cv_;
   std::shared_ptr<const EpochView> built_ TANDEM_GUARDED_BY(view_mu_);
   MemberSession* session_ TANDEM_GUARDED_BY(view_mu_) = nullptr;
+  // The rendezvous of the epoch being built, which Stop() cancels.
+  std::mutex building_mu_;
+  comm::CoordinatorRendezvous* building_ TANDEM_GUARDED_BY(building_mu_) = nullptr;
 };
 
 }  // namespace tandem::worker

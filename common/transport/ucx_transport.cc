@@ -608,7 +608,8 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   void Shutdown();
 
   const std::string& Address() const { return address_; }
-  Status Connect(int rank, int size, const std::vector<std::string>& addresses, milliseconds timeout);
+  Status Connect(int rank, int size, const std::vector<std::string>& addresses, milliseconds timeout,
+                 const std::function<bool()>& cancelled);
   std::vector<std::string> PathSummary() const;
   int Rank() const { return rank_.load(); }
   int Size() const { return size_.load(); }
@@ -919,8 +920,8 @@ void UcxTransport::Core::WakeLocked() {
 // ---------------------------------------------------------------------------
 // Connect.
 
-Status UcxTransport::Core::Connect(int rank, int size, const std::vector<std::string>& addresses,
-                                   milliseconds timeout) {
+Status UcxTransport::Core::Connect(int rank, int size, const std::vector<std::string>& addresses, milliseconds timeout,
+                                   const std::function<bool()>& cancelled) {
   if (connect_called_.exchange(true)) return FailedPrecondition("ucx: Connect was already called");
   if (size < 1 || size > kMaxRanks) {
     return InvalidArgument("ucx: group size {} is out of range (1 to {})", size, kMaxRanks);
@@ -1025,7 +1026,19 @@ Status UcxTransport::Core::Connect(int rank, int size, const std::vector<std::st
     if (r == rank) continue;
     const auto i = static_cast<size_t>(r);
     for (auto* req : {&recvs[i], &sends[i]}) {
-      Status s = (*req)->Wait(remaining());
+      Status s;
+      if (cancelled) {
+        // In slices, so that a stopping process does not wait out the timeout.
+        while (true) {
+          s = (*req)->Wait(std::min(remaining(), milliseconds(50)));
+          if (s.code() != StatusCode::kDeadlineExceeded || remaining() <= milliseconds(0)) break;
+          if (cancelled()) {
+            return abandon(Cancelled("ucx: the handshake of rank {} with rank {} was cancelled", rank, r));
+          }
+        }
+      } else {
+        s = (*req)->Wait(remaining());
+      }
       if (s.code() == StatusCode::kDeadlineExceeded) {
         return abandon(DeadlineExceeded(
             "ucx: rank {} did not complete the handshake with rank {} within {} ms (is rank {} running and "
@@ -1595,8 +1608,8 @@ std::string UcxTransport::address() const {
 }
 
 Status UcxTransport::Connect(int rank, int size, const std::vector<std::string>& peer_addresses,
-                             std::chrono::milliseconds timeout) {
-  return core_->Connect(rank, size, peer_addresses, timeout);
+                             std::chrono::milliseconds timeout, std::function<bool()> cancelled) {
+  return core_->Connect(rank, size, peer_addresses, timeout, cancelled);
 }
 
 std::vector<std::string> UcxTransport::PathSummary() const {

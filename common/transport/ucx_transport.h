@@ -128,6 +128,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -199,8 +200,11 @@ class UcxTransport final : public Transport {
   // entry for `rank` itself is ignored). Creates the endpoints, exchanges a
   // handshake with every peer within `timeout`, then logs the self-check.
   // Errors name the peer rank. Call once; after an error the transport
-  // cannot be used and should be destroyed.
-  Status Connect(int rank, int size, const std::vector<std::string>& peer_addresses, std::chrono::milliseconds timeout);
+  // cannot be used and should be destroyed. `cancelled`, when set, is asked
+  // while the handshake waits: once it says true, Connect fails with
+  // CANCELLED (the process is stopping).
+  Status Connect(int rank, int size, const std::vector<std::string>& peer_addresses, std::chrono::milliseconds timeout,
+                 std::function<bool()> cancelled = {});
 
   // One line per peer, in rank order (self excluded), after Connect: which
   // UCX transports and devices carry eager messages and rendezvous to that

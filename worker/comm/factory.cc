@@ -35,8 +35,10 @@ Result<std::unique_ptr<Communicator>> CreateUcx(const CommInfo& info, Rendezvous
     }
     addresses[static_cast<size_t>(r)] = *address;
   }
-  TANDEM_RETURN_IF_ERROR(transport->Connect(info.rank, info.size, addresses, info.timeout)
-                             .WithContext(fmt::format("communicator \"{}\" (epoch {})", info.name, info.epoch)));
+  TANDEM_RETURN_IF_ERROR(
+      transport
+          ->Connect(info.rank, info.size, addresses, info.timeout, [&rendezvous] { return rendezvous.cancelled(); })
+          .WithContext(fmt::format("communicator \"{}\" (epoch {})", info.name, info.epoch)));
   TransportCommunicatorOptions transport_options = options.transport;
   transport_options.backend = "ucx";
   TANDEM_ASSIGN_OR_RETURN(auto communicator,
