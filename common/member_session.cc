@@ -193,7 +193,7 @@ void MemberSession::WatchOnce() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     watch_context_ = nullptr;
-    if (stop_) return;
+    if (stop_ || left_) return;  // leaving: the refusals that follow are expected
     if (Forgotten(s)) reregister_ = true;
   }
   if (Forgotten(s)) {
@@ -242,6 +242,7 @@ void MemberSession::Ack(uint64_t epoch, const std::string& error) {
   v1::AckEpochRequest request;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (left_) return;  // out of the job: nothing to acknowledge
     request.set_job_id(options_.job_id);
     request.set_member_id(member_id_);
     request.set_session_id(session_id_);
@@ -299,7 +300,7 @@ void MemberSession::HeartbeatLoop() {
         std::lock_guard<std::mutex> lock(mu_);
         // Only if the refusal is about the current session: a heartbeat sent
         // just before a fresh registration must not undo it.
-        if (!reregister_ && session_id_ == request.session_id()) {
+        if (!reregister_ && !left_ && session_id_ == request.session_id()) {
           spdlog::warn("heartbeat refused: {}; registering again", s.error_message());
           reregister_ = true;
           if (watch_context_ != nullptr) watch_context_->TryCancel();
