@@ -325,6 +325,11 @@ Result<std::unique_ptr<ShmCommunicator>> ShmCommunicator::Create(CommInfo info, 
   const auto n = static_cast<uint32_t>(info.size);
   auto pause = std::chrono::microseconds(50);
   while (segment->header()->attached.load(std::memory_order_acquire) < n) {
+    if (rendezvous.cancelled()) {  // the process is stopping
+      if (info.rank == 0) ::shm_unlink(name.c_str());
+      return Cancelled("communicator \"{}\" (epoch {}): cancelled while waiting for the other ranks to attach",
+                       info.name, info.epoch);
+    }
     if (Clock::now() >= deadline) {
       std::vector<int> missing;
       for (int r = 0; r < info.size; ++r) {
