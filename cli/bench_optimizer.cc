@@ -40,15 +40,9 @@
 
 #include "cli/commands.h"
 #include "common/config.h"
+#include "common/optimizer/kernel_clones.h"
 #include "common/optimizer/optimizer.h"
 #include "common/optimizer/thread_pool.h"
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
-#define TANDEM_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TANDEM_KERNEL
-#endif
 
 #ifndef TANDEM_SOURCE_DIR
 #define TANDEM_SOURCE_DIR "."

@@ -5,14 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#include "common/optimizer/kernel_clones.h"
+
 // Built with -O3 -ffp-contract=off (common/CMakeLists.txt); on x86-64 with GCC
 // the loops are cloned for AVX-512 and AVX2 and chosen at load time.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
-#define TANDEM_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TANDEM_KERNEL
-#endif
 
 namespace tandem::optim {
 namespace {

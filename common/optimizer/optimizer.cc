@@ -4,6 +4,8 @@
 #include <numbers>
 #include <vector>
 
+#include "common/optimizer/kernel_clones.h"
+
 // The kernels are built with -O3 -ffp-contract=off -fno-math-errno (see
 // common/CMakeLists.txt) and, on x86-64 with GCC, cloned for AVX-512 and AVX2
 // and chosen at load time, as worker/collectives/kernels.cc does. Without
@@ -11,12 +13,6 @@
 // identically. (AVX-512 matters: with sqrt and a division per element the
 // update is compute bound in cache on AVX2, about 0.6 of the cache's
 // bandwidth on the 2-core benchmark machine; 512-bit vectors reach 0.9.)
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__SANITIZE_ADDRESS__) && \
-    !defined(__SANITIZE_THREAD__)
-#define TANDEM_KERNEL __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TANDEM_KERNEL
-#endif
 
 namespace tandem::optim {
 namespace {
