@@ -149,12 +149,19 @@ TEST(DataPlaneProcessTest, AWorkerStoppedWhileItWaitsForAPeerStopsPromptly) {
       "--coordinator-address", coordinator->ready.grpc_address, "--node-id", "node-a", "--data-plane-timeout", "60s"};
   auto frozen = testing::StartDaemon("tandem-worker", "worker-frozen", dir.path(), args);
   ASSERT_TRUE(frozen.ok()) << frozen.status().ToString();
+  // Frozen once it has registered (it serves gRPC before it registers).
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] { return testing::ReadFile(frozen->log_file).find("registered with the coordinator") != std::string::npos; },
+      milliseconds(20000)))
+      << testing::ReadFile(frozen->log_file);
   ASSERT_TRUE(frozen->process->Signal(SIGSTOP).ok());
   auto waiting = testing::StartDaemon("tandem-worker", "worker-waiting", dir.path(), args);
   ASSERT_TRUE(waiting.ok()) << waiting.status().ToString();
   // Epoch 1 forms, and the running worker starts building it.
-  EXPECT_TRUE(testing::WaitUntil(
-      [&] { return testing::ReadFile(waiting->log_file).find("epoch 1: rank") != std::string::npos; },
+  ASSERT_TRUE(testing::WaitUntil(
+      [&] {
+        return testing::ReadFile(waiting->log_file).find("epoch 1: building the data plane") != std::string::npos;
+      },
       milliseconds(20000)))
       << testing::ReadFile(waiting->log_file);
   std::this_thread::sleep_for(milliseconds(200));

@@ -252,6 +252,7 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
     if (stopping_) return Status::Ok();
     building_ = &rendezvous;
   }
+  spdlog::info("epoch {}: building the data plane", epoch.epoch());
   Status built = manager_->SetEpoch(epoch, rendezvous);
   if (built.ok() && config_.self_check) built = SelfCheck();
   if (built.ok() && epoch.server_count() > 0 && epoch.shard_map().partitions_size() > 0) {
