@@ -7,6 +7,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
 #include "server/checkpoint/checkpoint.h"
 
@@ -1161,6 +1162,16 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
 
 void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
                                    double grad_scale) {
+  if (!parts.empty() && FailpointNumber("ps.crash_on_decide") == step) {
+    // The other servers have this server's share, so they decide the step
+    // and apply it; this server's partitions are neither applied nor
+    // replicated, and their promoted backups are one step behind.
+    FailpointCrashSoon(fmt::format("ps.crash_on_decide: step {} is decided; this server dies before applying it to "
+                                   "its {} primary partition(s) and replicating them",
+                                   step, parts.size()),
+                       300);
+    return;
+  }
   Actions actions;
   std::vector<uint32_t> completed;
   for (auto& part : parts) {

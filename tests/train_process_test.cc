@@ -18,17 +18,22 @@
 //   parameter by about lr and fails the mean bound by orders of magnitude.
 // - Losses are compared to 1e-4 (the summary rounds them to 1e-6).
 #include <signal.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
 #include "common/process.h"
+#include "launch_util.h"
 #include "test_util.h"
 
 namespace tandem {
@@ -169,6 +174,123 @@ TEST(TrainProcessTest, Bf16OnTheWireStillLearns) {
                            "bf16", "--train-parameter-wire", "bf16"});
   ASSERT_TRUE(run.ok) << run.output;
   EXPECT_LT(run.summary["last_loss"].as<double>(), run.summary["first_loss"].as<double>() - 1.5) << run.output;
+}
+
+// A hybrid cluster launched daemon by daemon (a coordinator, three servers,
+// 2 nodes x 2 workers), so that one server can be given a failpoint.
+struct HandRun {
+  std::vector<float> params;
+  std::string worker_logs;
+  std::string server_logs;  // the survivors'
+  bool crashed = false;     // the server with the failpoint died of SIGKILL
+  std::string failure;      // empty when every step completed
+};
+
+HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t parameters, int steps,
+                  const std::string& failpoint) {
+  HandRun out;
+  const std::string work = dir.path() + "/" + name;
+  std::filesystem::create_directories(work);
+  std::vector<cli::LaunchedDaemon> daemons;
+  const auto launch = [&](const std::string& binary, const std::string& instance, std::vector<std::string> args,
+                          std::vector<std::string> prefix = {}) {
+    cli::LaunchSpec spec;
+    spec.binary = BinDir() + "/" + binary;
+    spec.name = instance;
+    spec.args = std::move(args);
+    spec.work_dir = work;
+    spec.exec_prefix = std::move(prefix);
+    auto d = cli::Launch(spec);
+    if (!d.ok()) {
+      out.failure = instance + ": " + d.status().ToString();
+      return false;
+    }
+    daemons.push_back(std::move(*d));
+    return true;
+  };
+  const auto finish = [&] {
+    for (size_t i = daemons.size(); i-- > 0;) {
+      if (daemons[i].process->Running()) (void)daemons[i].process->Signal(SIGTERM);
+    }
+    for (size_t i = daemons.size(); i-- > 0;) {
+      auto exit = daemons[i].process->Wait(std::chrono::milliseconds(10000));
+      if (!exit.ok()) (void)daemons[i].process->Stop(std::chrono::milliseconds(0));
+      const std::string log = ReadFile(daemons[i].log_file);
+      if (daemons[i].name.rfind("worker", 0) == 0) out.worker_logs += log;
+      if (daemons[i].name.rfind("server", 0) == 0) {
+        if (daemons[i].name == "server-0" && !failpoint.empty()) {
+          out.crashed = exit.ok() && exit->signal == SIGKILL;
+        } else {
+          out.server_logs += log;
+        }
+      }
+    }
+  };
+  if (!launch("tandem-coordinator", "coordinator",
+              {"--job-min-workers", "4", "--job-max-workers", "4", "--job-min-servers", "3", "--job-last-call-window",
+               "0s", "--job-parameter-count", std::to_string(parameters), "--job-partition-size", "16KiB",
+               "--job-heartbeat-interval", "200ms", "--job-heartbeat-deadline", "3s", "--job-stream-grace", "300ms"})) {
+    finish();
+    return out;
+  }
+  const std::string coordinator = daemons[0].ready.grpc_address;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<std::string> prefix;
+    if (i == 0 && !failpoint.empty()) prefix = {"/usr/bin/env", "TANDEM_FAILPOINTS=" + failpoint};
+    if (!launch("tandem-server", "server-" + std::to_string(i),
+                {"--coordinator-address", coordinator, "--node-id", "node-s" + std::to_string(i)}, prefix)) {
+      finish();
+      return out;
+    }
+  }
+  const std::string params_file = work + "/params.bin";
+  for (int i = 0; i < 4; ++i) {
+    std::vector<std::string> args = {
+        "--coordinator-address", coordinator,    "--node-id", "node-" + std::to_string(i / 2), "--train-steps",
+        std::to_string(steps),   "--train-mode", "hybrid",    "--train-progress-file",         work + "/progress.jsonl",
+        "--train-params-out",    params_file};
+    args.insert(args.end(), Model().begin(), Model().end());
+    if (!launch("tandem-worker", "worker-" + std::to_string(i), args)) {
+      finish();
+      return out;
+    }
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (access(params_file.c_str(), R_OK) != 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      out.failure = "no parameters within 90 s";
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 finishes writing
+  finish();
+  out.params = ReadParams(params_file);
+  return out;
+}
+
+// A server that dies after a step is decided but before it applied the step
+// to its partitions and replicated them (the failpoint ps.crash_on_decide):
+// the other servers applied the step, while the promoted backups of the dead
+// server's partitions are one step behind. The workers push that step again,
+// and the result is bit for bit that of the same cluster without the failure.
+TEST(TrainProcessTest, AServerDyingBetweenItsDecisionAndItsBackupsLosesNoUpdate) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const size_t parameters = local.params.size();
+  ASSERT_GT(parameters, 3u * 4096u);  // more partitions of 16 KiB than servers
+  constexpr int kSteps = 8;
+  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, "");
+  ASSERT_TRUE(reference.failure.empty()) << reference.failure << "\n" << reference.worker_logs;
+  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps, "ps.crash_on_decide=4");
+  ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
+  EXPECT_TRUE(crash.crashed);
+  EXPECT_NE(crash.server_logs.find("promoted to primary"), std::string::npos) << crash.server_logs;
+  EXPECT_NE(crash.worker_logs.find("every worker pushes the step again"), std::string::npos) << crash.worker_logs;
+  ASSERT_EQ(crash.params.size(), parameters);
+  ASSERT_EQ(reference.params.size(), parameters);
+  EXPECT_EQ(std::memcmp(crash.params.data(), reference.params.data(), parameters * sizeof(float)), 0);
 }
 
 // The elastic run: 2 nodes x 2 workers; one is killed with SIGKILL after

@@ -228,6 +228,7 @@ Result<StepPlan> Runtime::BeginStep() {
   }
   in_step_ = true;
   step_ = completed_ + 1;
+  grads_step_ = 0;  // the model computes the new step's gradient into the buffer
   next_bucket_ = 0;
   for (auto& b : buckets_) {
     b->pushes.clear();
@@ -396,18 +397,83 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   int64_t agreed = 0;
   TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
                              .WithContext("agreeing on the servers' last step"));
+  // Each partition's step, the lowest any rank saw: every rank decides alike.
+  std::vector<int64_t> seen(steps->begin(), steps->end());
+  std::vector<int64_t> lowest(seen.size());
+  TANDEM_RETURN_IF_ERROR(
+      world_->AllReduce(seen.data(), lowest.data(), seen.size(), comm::DType::kInt64, comm::ReduceOp::kMin)
+          .WithContext("agreeing on each partition's step"));
   std::vector<bool> behind(map.partitions_size(), false);
-  bool any = false;
-  for (size_t p = 0; p < steps->size(); ++p) {
-    behind[p] = (*steps)[p] < static_cast<uint64_t>(agreed);
-    any = any || behind[p];
+  std::string lagging;
+  size_t count = 0;
+  for (size_t p = 0; p < lowest.size(); ++p) {
+    if (lowest[p] >= agreed) continue;
+    const uint32_t id = map.partitions(static_cast<int>(p)).id();
+    if (lowest[p] + 1 < agreed) {
+      return Internal(
+          "partition {} is at step {} while others applied step {}: more than one step apart, which no failure of "
+          "the synchronous protocol leaves (was a partition restored on its own?)",
+          id, lowest[p], agreed);
+    }
+    behind[p] = true;
+    if (++count <= 8) lagging += fmt::format("{}{}", lagging.empty() ? "" : ", ", id);
   }
-  if (any) {
-    auto again = pull_all(static_cast<uint64_t>(agreed), &behind);
-    if (!again.ok()) return again.status();
+  if (count > 0) {
+    if (count > 8) lagging += ", ...";
+    // Step `agreed` was decided, but these partitions have not applied it.
+    // Either their servers still hold its aggregation from the old epoch
+    // and apply it once the other servers' decision shares reach them, or
+    // their server died before its backup had the update (the promoted
+    // backup is a step behind, and nothing short of the gradients again can
+    // complete it). When the same workers that pushed the step are all here
+    // with its gradient, they push it again, whole: that covers both cases
+    // with the same sums. Otherwise the old epoch's aggregation is the only
+    // complete one, and the pulls wait for it.
+    auto pushed = PushStepAgainIfWhole(static_cast<uint64_t>(agreed), count, lagging);
+    if (!pushed.ok()) return pushed.status();
+    if (!*pushed) {
+      auto again = pull_all(static_cast<uint64_t>(agreed), &behind);
+      if (!again.ok()) {
+        return again.status().WithContext(fmt::format(
+            "waiting for partitions {} to apply step {} (if their server died in the same membership change as a "
+            "worker, no server holds the step's whole gradient any more: restore the job from a checkpoint)",
+            lagging, agreed));
+      }
+    }
   }
   completed_ = static_cast<uint64_t>(agreed);
   return Status::Ok();
+}
+
+Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which) {
+  const bool hybrid = options_.mode == TrainingMode::kHybrid;
+  const uint32_t contributors = hybrid ? view_->rank.node_count() : view_->rank.world_size();
+  // The servers wait for every contributor of this epoch; the sum is the
+  // old one only if the contributors are the same (no worker joined: each
+  // holds the gradient; none left: as many as before).
+  int64_t whole = grads_step_ == step && grads_contributors_ == contributors ? 1 : 0;
+  int64_t everyone = 0;
+  TANDEM_RETURN_IF_ERROR(world_->AllReduce(&whole, &everyone, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
+                             .WithContext("checking that every rank holds the gradient of the step to push again"));
+  if (everyone == 0) {
+    spdlog::info(
+        "step {}: {} partition(s) ({}) have not applied it yet; the workers changed since it was pushed, so its "
+        "parameter servers complete it from the old epoch's pushes: waiting for them",
+        step, lagging, which);
+    return false;
+  }
+  spdlog::warn(
+      "step {}: {} partition(s) ({}) have not applied it (their server died, or the decision did not reach it); "
+      "every worker pushes the step again: servers that applied it count the pushes as duplicates",
+      step, lagging, which);
+  step_ = step;
+  for (auto& b : buckets_) {
+    b->pushes.clear();
+    b->pulls.clear();
+    TANDEM_RETURN_IF_ERROR(RunBucket(*b).WithContext(fmt::format("pushing step {} again", step)));
+  }
+  TANDEM_RETURN_IF_ERROR(FinishBuckets().WithContext(fmt::format("pushing step {} again", step)));
+  return true;
 }
 
 Status Runtime::ResyncAllReduce() {
@@ -496,6 +562,11 @@ Status Runtime::RunBucket(Bucket& b) {
 }
 
 Status Runtime::FinishOnCommThread() {
+  TANDEM_RETURN_IF_ERROR(FinishBuckets());
+  return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
+}
+
+Status Runtime::FinishBuckets() {
   if (options_.mode != TrainingMode::kAllReduce) {
     const bool hybrid = options_.mode == TrainingMode::kHybrid;
     const int local = hybrid ? node_->size() : 1;
@@ -526,11 +597,13 @@ Status Runtime::FinishOnCommThread() {
       }
     }
   }
-  return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  return Status::Ok();
 }
 
 Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
   if (!in_step_) return FailedPrecondition("EndStep without BeginStep");
+  grads_step_ = step_;
+  grads_contributors_ = options_.mode == TrainingMode::kHybrid ? view_->rank.node_count() : view_->rank.world_size();
   GradientsReady(0);
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);

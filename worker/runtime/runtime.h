@@ -190,6 +190,8 @@ class Runtime {
   Status PlanBuckets(const DataPlane::EpochView& view);
   Status RunBucket(Bucket& bucket);
   Status FinishOnCommThread();
+  Status FinishBuckets();
+  Result<bool> PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which);
   void Enqueue(std::function<Status()> task);
   void CommLoop();
   bool Fatal(const Status& status) const;
@@ -215,6 +217,11 @@ class Runtime {
   size_t next_bucket_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;
+  // The step whose whole gradient the attached buffer holds (EndStep was
+  // called for it, and no later BeginStep handed the buffer back to the
+  // model): what a resync pushes again when only some servers applied it.
+  uint64_t grads_step_ = 0;
+  uint32_t grads_contributors_ = 0;  // how many contributors pushed it
   float loss_in_[3] = {0, 0, 0};
   float loss_out_[3] = {0, 0, 0};
 
