@@ -2,6 +2,7 @@
 
 #include <array>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include <prometheus/counter.h>
@@ -12,6 +13,7 @@
 
 #include "common/coordinator_rendezvous.h"
 #include "common/grpc_util.h"
+#include "common/thread_annotations.h"
 
 namespace tandem::worker {
 
@@ -38,6 +40,14 @@ void DeclareDataPlaneOptions(OptionSet& options, DataPlaneConfig* config) {
                 "shared memory: outputs from this size on bypass the caches (0: never)", 0, 1ULL << 40);
 }
 
+namespace {
+
+prometheus::Histogram::BucketBoundaries PsSecondsBuckets() {
+  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
+}
+
+}  // namespace
+
 struct DataPlane::Metrics {
   prometheus::Gauge* epoch;
   prometheus::Gauge* communicators;
@@ -50,6 +60,32 @@ struct DataPlane::Metrics {
   prometheus::Family<prometheus::Counter>* collective_seconds;
   prometheus::Family<prometheus::Counter>* ps_bytes;
   prometheus::Family<prometheus::Histogram>* ps_seconds;
+
+  // The push and pull series of each server, made on its first answer and
+  // then reused: an answer only increments (no label lookup, no buckets).
+  struct PsSeries {
+    prometheus::Counter* bytes = nullptr;
+    prometheus::Histogram* seconds = nullptr;
+  };
+  std::mutex ps_mu;
+  std::map<std::pair<bool, uint32_t>, PsSeries> ps_series TANDEM_GUARDED_BY(ps_mu);
+
+  void PsAnswered(bool pull, uint32_t server, uint64_t bytes, double seconds) {
+    PsSeries series;
+    {
+      std::lock_guard lock(ps_mu);
+      PsSeries& s = ps_series[{pull, server}];
+      if (s.bytes == nullptr) {
+        const std::map<std::string, std::string> labels = {{"op", pull ? "pull" : "push"},
+                                                           {"server", std::to_string(server)}};
+        s.bytes = &ps_bytes->Add(labels);
+        s.seconds = &ps_seconds->Add(labels, PsSecondsBuckets());
+      }
+      series = s;
+    }
+    series.bytes->Increment(static_cast<double>(bytes));
+    series.seconds->Observe(seconds);
+  }
 };
 
 namespace {
@@ -62,10 +98,6 @@ std::string GroupOf(const std::string& name) {
 
 // comm::Kind runs from kAllReduce (1) to kRecv.
 constexpr int kCommKinds = static_cast<int>(comm::Kind::kRecv);
-
-prometheus::Histogram::BucketBoundaries PsSecondsBuckets() {
-  return {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10};
-}
 
 }  // namespace
 
@@ -218,10 +250,7 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
         return MakeChannel(address, tls, limit);
       };
       ps.on_answered = [m = metrics_.get()](bool pull, uint32_t server, uint64_t bytes, double seconds) {
-        const std::map<std::string, std::string> labels = {{"op", pull ? "pull" : "push"},
-                                                           {"server", std::to_string(server)}};
-        m->ps_bytes->Add(labels).Increment(static_cast<double>(bytes));
-        m->ps_seconds->Add(labels, PsSecondsBuckets()).Observe(seconds);
+        m->PsAnswered(pull, server, bytes, seconds);
       };
       ps_client_ = std::make_unique<PsClient>(ps);
     }
