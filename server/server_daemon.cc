@@ -1,6 +1,7 @@
 #include "server/server_daemon.h"
 
 #include "common/member_daemon.h"
+#include "common/transport/ucx_transport.h"
 #include "server/ps_node.h"
 
 namespace tandem::server {
@@ -30,6 +31,10 @@ DaemonSpec MakeDaemonSpec() {
   };
   MakeMemberSpec(spec, v1::ROLE_SERVER, declare, started, stopping);
   spec.setup = [state](Daemon& daemon) -> Status {
+    transport::UcxOptions ucx;
+    ucx.tls = state->config.ucx_tls;
+    ucx.net_devices = state->config.ucx_net_devices;
+    TANDEM_RETURN_IF_ERROR(transport::CheckUcxOptions(ucx).WithContext("server.ucx_tls and server.ucx_net_devices"));
     state->node = std::make_unique<PsNode>(state->config, daemon);
     state->node->Register(daemon);
     return Status::Ok();

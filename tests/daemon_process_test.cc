@@ -144,6 +144,32 @@ TEST_P(DaemonTest, AnAddressInUseIsAClearStartupFailure) {
   ExpectCleanStop(*first);
 }
 
+// UCX settings are checked against this host when a daemon starts, not at
+// its first epoch (--check-config only reads them: a configuration rendered
+// for other hosts names their devices).
+TEST(DaemonRobustnessTest, UcxDevicesAndTransportsThisHostLacksStopTheStart) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"tandem-worker", {"--data-plane-ucx-net-devices", "nosuchdev0"}},
+      {"tandem-worker", {"--data-plane-ucx-tls", "tcp,bogus"}},
+      {"tandem-server", {"--server-ucx-net-devices", "nosuchdev0"}},
+      {"tandem-server", {"--server-ucx-tls", "bogus"}},
+  };
+  for (const auto& [binary, flags] : cases) {
+    std::vector<std::string> argv = {
+        BinDir() + "/" + binary, "--coordinator-address", "127.0.0.1:1", "--listen-address",
+        "127.0.0.1:0",           "--metrics-address",     "127.0.0.1:0"};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    const auto r = RunCommand(argv, std::chrono::seconds(20));
+    EXPECT_EQ(r.exit.ToString(), "exit 1") << binary << " " << flags[0] << ": " << r.output;
+    const std::string named =
+        flags[1] == "nosuchdev0" ? "this host has no network device 'nosuchdev0'" : "unknown UCX transport 'bogus'";
+    EXPECT_NE(r.output.find(named), std::string::npos) << r.output;
+    auto check = argv;
+    check.push_back("--check-config");
+    EXPECT_TRUE(RunCommand(check, std::chrono::seconds(20)).exit.success()) << binary << " " << flags[0];
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Daemons, DaemonTest, ::testing::Values("tandem-coordinator", "tandem-server", "tandem-worker"),
                          [](const auto& p) { return p.param.substr(7); });
 

@@ -31,6 +31,12 @@ void DeclareDataPlaneOptions(OptionSet& options, DataPlaneConfig* config) {
                    std::chrono::milliseconds(10), std::chrono::hours(24));
   options.Bool("data_plane.self_check", &config->self_check,
                "check every new epoch's world communicator with a barrier and an allreduce before joining it");
+  options.String("data_plane.ucx_tls", &config->backend_options.ucx.tls,
+                 "UCX transports for collectives across nodes and for pushes and pulls (UCX_TLS syntax, e.g. "
+                 "\"rc,sm\" or \"^cma\"; empty: UCX chooses)");
+  options.String("data_plane.ucx_net_devices", &config->backend_options.ucx.net_devices,
+                 "UCX network devices for collectives across nodes and for pushes and pulls (e.g. \"eth0\", "
+                 "\"mlx5_0:1\"; empty: all)");
   auto& shm = config->backend_options.shm;
   options.Bytes("data_plane.shm.round_bytes", &shm.round_bytes,
                 "shared memory: staging bytes per rank and round of a large collective", 4096, 1ULL << 30);
@@ -246,6 +252,8 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
       ps.job_id = session.options().job_id;
       ps.token = session.options().token;
       ps.timeout = config_.timeout;
+      ps.ucx.tls = config_.backend_options.ucx.tls;
+      ps.ucx.net_devices = config_.backend_options.ucx.net_devices;
       ps.make_channel = [tls = tls_, limit = max_message_bytes_](const std::string& address) {
         return MakeChannel(address, tls, limit);
       };

@@ -7,6 +7,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/member_daemon.h"
+#include "common/transport/ucx_transport.h"
 #include "tandem/worker.h"
 #include "worker/data_plane.h"
 #include "worker/nccl/gpu_info.h"
@@ -42,6 +43,8 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
   };
   auto started = [state, loop](Daemon& daemon, v1::NodeIdentity* node, MemberHooks* hooks) -> Status {
     const bool training = loop != nullptr || state->train.steps > 0;
+    TANDEM_RETURN_IF_ERROR(transport::CheckUcxOptions(state->config.backend_options.ucx)
+                               .WithContext("data_plane.ucx_tls and data_plane.ucx_net_devices"));
     if (training) {
       // Configuration errors stop the start-up, before the worker joins a job.
       TANDEM_RETURN_IF_ERROR(ModelConfigOf(state->train).status());

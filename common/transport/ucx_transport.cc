@@ -594,6 +594,12 @@ struct Peer {
 
 }  // namespace
 
+Status CheckUcxOptions(const UcxOptions& options) {
+  TANDEM_RETURN_IF_ERROR(ValidateOptions(options));
+  TANDEM_RETURN_IF_ERROR(PlanTls(options.tls, options.prefer_copy_shm).status());
+  return CheckNetDevices(options.net_devices);
+}
+
 // ---------------------------------------------------------------------------
 
 class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Core> {

@@ -173,6 +173,11 @@ struct UcxOptions {
   std::chrono::milliseconds abandon_timeout{10000};
 };
 
+// Checks options without opening UCX: the ranges, the transport names, and
+// that the named network devices exist on this host. Daemons call it at
+// start-up, so that a typo stops them there and not at their first epoch.
+Status CheckUcxOptions(const UcxOptions& options);
+
 class UcxTransport final : public Transport {
  public:
   // User tags: bit 63 plus bits 0..39.
