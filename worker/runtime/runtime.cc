@@ -446,12 +446,11 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
 }
 
 Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which) {
-  const bool hybrid = options_.mode == TrainingMode::kHybrid;
-  const uint32_t contributors = hybrid ? view_->rank.node_count() : view_->rank.world_size();
-  // The servers wait for every contributor of this epoch; the sum is the
-  // old one only if the contributors are the same (no worker joined: each
-  // holds the gradient; none left: as many as before).
-  int64_t whole = grads_step_ == step && grads_contributors_ == contributors ? 1 : 0;
+  // The servers wait for every contributor of this epoch; the sums are the
+  // old ones only if the workers are the same: none joined (each holds the
+  // gradient) and none left (as many as before). Counting workers, not
+  // contributors: in hybrid mode a node that lost a worker still contributes.
+  int64_t whole = grads_step_ == step && grads_world_ == view_->rank.world_size() ? 1 : 0;
   int64_t everyone = 0;
   TANDEM_RETURN_IF_ERROR(world_->AllReduce(&whole, &everyone, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
                              .WithContext("checking that every rank holds the gradient of the step to push again"));
@@ -603,7 +602,7 @@ Status Runtime::FinishBuckets() {
 Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
   if (!in_step_) return FailedPrecondition("EndStep without BeginStep");
   grads_step_ = step_;
-  grads_contributors_ = options_.mode == TrainingMode::kHybrid ? view_->rank.node_count() : view_->rank.world_size();
+  grads_world_ = view_->rank.world_size();
   GradientsReady(0);
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);

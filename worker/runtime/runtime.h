@@ -221,7 +221,7 @@ class Runtime {
   // called for it, and no later BeginStep handed the buffer back to the
   // model): what a resync pushes again when only some servers applied it.
   uint64_t grads_step_ = 0;
-  uint32_t grads_contributors_ = 0;  // how many contributors pushed it
+  uint32_t grads_world_ = 0;  // how many workers pushed it
   float loss_in_[3] = {0, 0, 0};
   float loss_out_[3] = {0, 0, 0};
 
