@@ -99,6 +99,12 @@ TEST(DeriveGroupsTest, TwoByTwoByTwoMeshOverTwoNodes) {
       {"world", {0, 1, 2, 3, 4, 5, 6, 7}},
       {"node/0", {0, 1, 2, 3}},
       {"node/1", {4, 5, 6, 7}},
+      // node-dp/<(node * pp_size + pp) * tp_size + tp>: one node, equal tp
+      // and pp, ordered by dp.
+      {"node-dp/0", {0, 2}},
+      {"node-dp/1", {1, 3}},
+      {"node-dp/6", {4, 6}},
+      {"node-dp/7", {5, 7}},
       // dp/<pp * tp_size + tp>: equal tp and pp, ordered by dp.
       {"dp/0", {0, 2}},
       {"dp/1", {1, 3}},
@@ -128,13 +134,33 @@ TEST(DeriveGroupsTest, TwoByTwoByTwoMeshOverTwoNodes) {
   ASSERT_TRUE(mine.ok()) << mine.status().ToString();
   std::vector<std::pair<std::string, int>> got;
   for (const auto& mg : *mine) got.emplace_back(mg.group.name, mg.rank);
-  const std::vector<std::pair<std::string, int>> want_mine = {
-      {"world", 5}, {"node/1", 1}, {"dp/3", 0}, {"tp/2", 1}, {"pp/1", 1}};
+  const std::vector<std::pair<std::string, int>> want_mine = {{"world", 5}, {"node/1", 1}, {"node-dp/7", 0},
+                                                              {"dp/3", 0},  {"tp/2", 1},   {"pp/1", 1}};
   EXPECT_EQ(got, want_mine);
   for (const auto& mg : *mine) {
     EXPECT_EQ(mg.group.global_ranks[static_cast<size_t>(mg.rank)], 5) << mg.group.name;
     EXPECT_EQ(mg.group.global_ranks, want.at(mg.group.name));
   }
+}
+
+// Three nodes of two workers in two pipeline stages of three: the middle
+// node holds the last worker of stage 0 and the first of stage 1, so its
+// node-dp groups split it by stage.
+TEST(DeriveGroupsTest, NodeDpGroupsSplitANodeThatHoldsTwoStages) {
+  const auto epoch = MakeEpoch(4, 3, 1, 2, 2);
+  auto groups = DeriveGroups(epoch, {"node-dp", "dp"});
+  ASSERT_TRUE(groups.ok()) << groups.status().ToString();
+  const std::map<std::string, std::vector<int>> want = {
+      {"node-dp/0", {0, 1}}, {"node-dp/2", {2}},  {"node-dp/3", {3}},
+      {"node-dp/5", {4, 5}}, {"dp/0", {0, 1, 2}}, {"dp/1", {3, 4, 5}},
+  };
+  EXPECT_EQ(ByName(*groups), want);
+  // With tp = pp = 1 the node-dp group is the node group, and is not built.
+  auto flat = DeriveGroups(MakeEpoch(5, 4, 1, 1, 2), {"node", "node-dp"});
+  ASSERT_TRUE(flat.ok()) << flat.status().ToString();
+  ASSERT_EQ(flat->size(), 2u);
+  EXPECT_EQ((*flat)[0].name, "node/0");
+  EXPECT_EQ((*flat)[1].name, "node/1");
 }
 
 TEST(DeriveGroupsTest, MatchesTheCoordinatorsPlacement) {
@@ -172,9 +198,11 @@ TEST(DeriveGroupsTest, MatchesTheCoordinatorsPlacement) {
     const std::string kind = g.name.substr(0, g.name.find('/'));
     for (int r : g.global_ranks) ++member_of[r][kind];
   }
-  EXPECT_EQ(groups->size(), 1u + 2u + 4u + 6u + 6u);  // world, 2 nodes, 4 dp, 6 tp, 6 pp
+  // world, 2 nodes, 4 node-dp (each node holds one stage), 4 dp, 6 tp, 6 pp
+  EXPECT_EQ(groups->size(), 1u + 2u + 4u + 4u + 6u + 6u);
   EXPECT_EQ(sizes["world"], 12u);
   EXPECT_EQ(sizes["node/1"], 6u);
+  EXPECT_EQ(sizes["node-dp/7"], 3u);  // node 1, pp 1, tp 1
   EXPECT_EQ(sizes["dp/3"], 3u);
   EXPECT_EQ(sizes["tp/5"], 2u);
   EXPECT_EQ(sizes["pp/5"], 2u);
@@ -374,11 +402,12 @@ TEST(CommManagerTest, BuildsTheGroupsAndAbortsInFlightOperationsOnANewEpoch) {
   }
   const auto e1 = MakeEpoch(1, 2, 2, 2, 4);
   ForEachMember(kWorkers, [&](int r) { ASSERT_TRUE(managers[static_cast<size_t>(r)]->SetEpoch(e1, rendezvous).ok()); });
-  EXPECT_EQ(backend.built(), kWorkers * 5);
+  // world, node, node-dp, dp, tp and pp.
+  EXPECT_EQ(backend.built(), kWorkers * 6);
   for (int r = 0; r < kWorkers; ++r) {
     auto& m = *managers[static_cast<size_t>(r)];
     EXPECT_EQ(m.epoch(), 1u);
-    EXPECT_EQ(m.names().size(), 5u);
+    EXPECT_EQ(m.names().size(), 6u);
     ASSERT_NE(m.Get("node"), nullptr);
     EXPECT_EQ(m.Get("node"), m.Get(fmt::format("node/{}", r / 4)));
     EXPECT_EQ(m.Get("node")->rank(), r % 4);
@@ -389,7 +418,7 @@ TEST(CommManagerTest, BuildsTheGroupsAndAbortsInFlightOperationsOnANewEpoch) {
   }
   // The same epoch again is a no-op.
   ASSERT_TRUE(managers[0]->SetEpoch(e1, rendezvous).ok());
-  EXPECT_EQ(backend.built(), kWorkers * 5);
+  EXPECT_EQ(backend.built(), kWorkers * 6);
 
   // Workers 0..6 enter an allreduce on "world"; worker 7 never does.
   std::vector<std::thread> in_flight;
@@ -407,7 +436,7 @@ TEST(CommManagerTest, BuildsTheGroupsAndAbortsInFlightOperationsOnANewEpoch) {
   std::this_thread::sleep_for(milliseconds(100));
   // Heartbeat progress shows the collective in flight.
   auto progress = managers[0]->CollectiveProgress();
-  ASSERT_EQ(progress.size(), 5u);
+  ASSERT_EQ(progress.size(), 6u);
   EXPECT_EQ(progress[0].communicator(), "world");
   EXPECT_EQ(progress[0].last_entered(), 1u);
   EXPECT_EQ(progress[0].last_completed(), 0u);

@@ -535,6 +535,29 @@ TEST(ModelTest, PipelineStagesSplitTheBlocksAndCoverTheBuffer) {
   EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
 }
 
+// InitialValues gives any range of the whole model's flat buffer exactly
+// what Model::Create puts there: ranges inside a tensor, across tensors, the
+// empty range, and the whole buffer.
+TEST(ModelTest, InitialValuesOfAnyRangeAreTheModelsOwn) {
+  ModelConfig c;
+  c.context = 8;
+  c.d_model = 16;
+  c.heads = 2;
+  c.layers = 3;
+  c.seed = 7;
+  auto m = Model::Create(c);
+  ASSERT_TRUE(m.ok()) << m.status().ToString();
+  const auto params = m->params();
+  const size_t n = params.size();
+  for (const auto& [begin, end] : std::vector<std::pair<size_t, size_t>>{
+           {0, n}, {0, 1}, {n - 1, n}, {5, 5}, {100, 4097}, {n / 3, 2 * n / 3}, {1234, 1235}}) {
+    std::vector<float> out(end - begin, -1.0f);
+    InitialValues(c, begin, end, out.data());
+    EXPECT_EQ(std::memcmp(out.data(), params.data() + begin, out.size() * sizeof(float)), 0)
+        << "[" << begin << ", " << end << ")";
+  }
+}
+
 TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {
   ModelConfig c = Tiny();
   c.layers = 4;

@@ -24,6 +24,9 @@ struct Mesh {
   uint32_t pp = 1;
   uint32_t workers = 0;                  // worker_count
   std::vector<const v1::Peer*> visible;  // the worker peers listed
+  // "node-dp": each listed worker's rank and group size (the listed workers
+  // of its node with its pp and tp, by dp coordinate).
+  std::map<uint64_t, std::pair<uint32_t, uint32_t>> node_dp;
 };
 
 Result<Mesh> ReadMesh(const v1::MembershipEpoch& epoch) {
@@ -70,6 +73,19 @@ Result<Mesh> ReadMesh(const v1::MembershipEpoch& epoch) {
                              r.local_rank(), r.local_world_size());
     }
   }
+  // A node's workers are all listed in every peer view, so the node-dp
+  // groups are complete.
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t>, std::vector<const v1::Peer*>> node_dp;
+  for (const v1::Peer* p : m.visible) {
+    node_dp[{p->rank().node_rank(), p->rank().mesh().pp(), p->rank().mesh().tp()}].push_back(p);
+  }
+  for (auto& [key, peers] : node_dp) {
+    std::sort(peers.begin(), peers.end(),
+              [](const v1::Peer* a, const v1::Peer* b) { return a->rank().mesh().dp() < b->rank().mesh().dp(); });
+    for (size_t i = 0; i < peers.size(); ++i) {
+      m.node_dp[peers[i]->member_id()] = {static_cast<uint32_t>(i), static_cast<uint32_t>(peers.size())};
+    }
+  }
   return m;
 }
 
@@ -86,10 +102,14 @@ Result<Place> PlaceOf(const std::string& kind, const Mesh& m, const v1::Peer& p)
   const auto& c = r.mesh();
   if (kind == "world") return Place{0, r.global_rank(), m.workers};
   if (kind == "node") return Place{r.node_rank(), r.local_rank(), r.local_world_size()};
+  if (kind == "node-dp") {
+    const auto [rank, size] = m.node_dp.at(p.member_id());
+    return Place{(r.node_rank() * m.pp + c.pp()) * m.tp + c.tp(), rank, size};
+  }
   if (kind == "dp") return Place{c.pp() * m.tp + c.tp(), c.dp(), m.dp};
   if (kind == "tp") return Place{c.pp() * m.dp + c.dp(), c.tp(), m.tp};
   if (kind == "pp") return Place{c.dp() * m.tp + c.tp(), c.pp(), m.pp};
-  return InvalidArgument("unknown communicator group kind \"{}\" (expected world, node, dp, tp or pp)", kind);
+  return InvalidArgument("unknown communicator group kind \"{}\" (expected world, node, node-dp, dp, tp or pp)", kind);
 }
 
 std::string NameOf(const std::string& kind, uint32_t index) {
@@ -131,16 +151,18 @@ Result<Group> Collect(const v1::MembershipEpoch& epoch, const Mesh& m, const std
 Status CheckKinds(const std::vector<std::string>& kinds) {
   for (const auto& k : kinds) {
     if (std::find(AllGroupKinds().begin(), AllGroupKinds().end(), k) == AllGroupKinds().end()) {
-      return InvalidArgument("unknown communicator group kind \"{}\" (expected world, node, dp, tp or pp)", k);
+      return InvalidArgument("unknown communicator group kind \"{}\" (expected world, node, node-dp, dp, tp or pp)", k);
     }
   }
   return Status::Ok();
 }
 
-// The kinds in build order, whatever order they were given in.
-std::vector<std::string> Ordered(const std::vector<std::string>& kinds) {
+// The kinds in build order, whatever order they were given in. "node-dp"
+// is the node group itself when tp = pp = 1, and is then left out.
+std::vector<std::string> Ordered(const std::vector<std::string>& kinds, const Mesh& m) {
   std::vector<std::string> out;
   for (const auto& k : AllGroupKinds()) {
+    if (k == "node-dp" && m.tp == 1 && m.pp == 1) continue;
     if (std::find(kinds.begin(), kinds.end(), k) != kinds.end()) out.push_back(k);
   }
   return out;
@@ -152,7 +174,7 @@ Result<std::vector<Group>> DeriveGroups(const v1::MembershipEpoch& epoch, const 
   TANDEM_RETURN_IF_ERROR(CheckKinds(kinds));
   TANDEM_ASSIGN_OR_RETURN(const Mesh m, ReadMesh(epoch));
   std::vector<Group> out;
-  for (const auto& kind : Ordered(kinds)) {
+  for (const auto& kind : Ordered(kinds, m)) {
     std::map<uint32_t, uint32_t> sizes;  // index -> size, of the groups with a listed member
     for (const v1::Peer* p : m.visible) {
       TANDEM_ASSIGN_OR_RETURN(const Place place, PlaceOf(kind, m, *p));
@@ -176,7 +198,7 @@ Result<std::vector<MemberGroup>> DeriveMemberGroups(const v1::MembershipEpoch& e
   }
   if (me == nullptr) return NotFound("member {} is not a worker of epoch {}", member_id, epoch.epoch());
   std::vector<MemberGroup> out;
-  for (const auto& kind : Ordered(kinds)) {
+  for (const auto& kind : Ordered(kinds, m)) {
     TANDEM_ASSIGN_OR_RETURN(const Place place, PlaceOf(kind, m, *me));
     MemberGroup mg;
     TANDEM_ASSIGN_OR_RETURN(mg.group, Collect(epoch, m, kind, place.index, place.size));

@@ -9,6 +9,11 @@
 //   the name so that every communicator name is unique within the job's
 //   epoch: rendezvous keys and the coordinator's progress tracking are scoped
 //   by it.
+// - "node-dp/<i>": the workers of one node that are equal in tp and pp (the
+//   node's part of a dp group: where gradients are summed inside a node
+//   before they leave it); group rank = order by dp coordinate;
+//   i = (node_rank * pp_size + pp) * tp_size + tp. Only built when tp or pp
+//   is above 1 (otherwise it is the node group).
 // - "dp/<i>": workers equal in tp and pp; group rank = dp coordinate;
 //   i = pp * tp_size + tp.
 // - "tp/<i>": workers equal in dp and pp; group rank = tp coordinate;
@@ -23,7 +28,7 @@
 // Building. SetEpoch() first aborts the previous set with "epoch N was
 // superseded by epoch M", so operations in flight on it fail promptly with
 // that message, then builds the groups this member belongs to through the
-// backend factory, in a fixed order (world, node, dp, tp, pp): every member
+// backend factory, in a fixed order (world, node, node-dp, dp, tp, pp): every member
 // builds in the same order, and each kind partitions the workers, so
 // factories that wait for their peers (rendezvous) cannot deadlock. If one
 // fails, the ones already built are aborted and the error is returned (the
@@ -31,7 +36,7 @@
 //
 // A full peer view is needed for the groups that span nodes: MemberSession
 // watches with PEER_VIEW_LOCAL (this node's workers and the servers), which is
-// enough for "node" and "tp" only. A group whose members are not all in the
+// enough for "node", "node-dp" and "tp" only. A group whose members are not all in the
 // peer table gives FAILED_PRECONDITION; choose the kinds to build with
 // CommManagerOptions::kinds.
 //
@@ -65,7 +70,7 @@ struct Group {
 
 // The kinds of group, in build order.
 inline const std::vector<std::string>& AllGroupKinds() {
-  static const std::vector<std::string> kinds = {"world", "node", "dp", "tp", "pp"};
+  static const std::vector<std::string> kinds = {"world", "node", "node-dp", "dp", "tp", "pp"};
   return kinds;
 }
 

@@ -370,31 +370,37 @@ Result<Model> Model::Create(const ModelConfig& config) {
   return model;
 }
 
-void Model::Initialize() {
-  Normal normal(config_.seed);
-  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config_.layers));
+void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out) {
+  Normal normal(config.seed);
+  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.layers));
   auto ends_with = [](const std::string& s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
-  // The whole model's values in layout order (the same random stream for
-  // every stage); a stage keeps its range.
-  for (const TensorInfo& t : layout_) {
-    const bool mine = t.offset >= stage_.flat_begin && t.offset < stage_.flat_end;
-    std::vector<float> discard;
-    if (!mine) discard.resize(t.size);
-    float* p = mine ? params_.data() + (t.offset - stage_.flat_begin) : discard.data();
+  // The whole model's values in layout order, from one random stream: a
+  // range's values do not depend on where the range starts or ends.
+  for (const TensorInfo& t : TensorLayout(config)) {
+    if (t.offset >= end) break;
+    const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.size);
     const bool layer_norm = t.name.find("ln1.") != std::string::npos || t.name.find("ln2.") != std::string::npos ||
                             t.name.starts_with("ln_f.");
-    if (ends_with(t.name, ".bias")) {
-      std::fill(p, p + t.size, 0.0f);
-    } else if (layer_norm) {
-      std::fill(p, p + t.size, 1.0f);
-    } else {
-      const bool residual = ends_with(t.name, "attn.proj.weight") || ends_with(t.name, "mlp.proj.weight");
-      const float std = residual ? residual_std : 0.02f;
-      for (size_t i = 0; i < t.size; ++i) p[i] = std * normal.Next();
+    if (ends_with(t.name, ".bias") || layer_norm) {
+      if (lo < hi)
+        std::fill(out + (lo - begin), out + (hi - begin), layer_norm && !ends_with(t.name, ".bias") ? 1.0f : 0.0f);
+      continue;
+    }
+    const bool residual = ends_with(t.name, "attn.proj.weight") || ends_with(t.name, "mlp.proj.weight");
+    const float std = residual ? residual_std : 0.02f;
+    // The tensor's draws up to the end of the range (t.offset < end, so
+    // hi > t.offset); the ones before the range only advance the stream.
+    for (size_t i = t.offset; i < hi; ++i) {
+      const float v = std * normal.Next();
+      if (i >= lo && i < hi) out[i - begin] = v;
     }
   }
+}
+
+void Model::Initialize() {
+  InitialValues(config_, stage_.flat_begin, stage_.flat_end, params_.data());
 }
 
 std::vector<v1::TensorSpec> Model::Tensors() const {

@@ -128,6 +128,12 @@ struct TensorInfo {
 // for the order). REQUIRES: config.Validate().ok()
 std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
 
+// The initial values of the whole model's flat elements [begin, end) into
+// out[0, end - begin): what Model::Create gives those elements, whatever
+// stage holds them. Costs one random draw per weight before `end`.
+// REQUIRES: config.Validate().ok(), begin <= end <= the parameter count.
+void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out);
+
 // Sets the number of threads the BLAS library uses, process-wide. A no-op
 // when the BLAS found at build time has no such setting (not OpenBLAS).
 void SetBlasThreads(int threads);

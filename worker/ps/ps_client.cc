@@ -320,7 +320,8 @@ std::unique_ptr<grpc::ClientContext> PsClient::Context() const {
   return context;
 }
 
-Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base, const float* params) {
+Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base, uint64_t begin, uint64_t end,
+                                     const ValueSource* values) {
   v1::MembershipEpoch epoch;
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   {
@@ -332,6 +333,7 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
   // Partitions per server (primary and backup).
   std::map<uint64_t, std::vector<const v1::Partition*>> held;
   for (const auto& p : epoch.shard_map().partitions()) {
+    if (p.range().end() <= begin || p.range().begin() >= end) continue;
     held[p.primary_member_id()].push_back(&p);
     if (p.backup_member_id() != 0) held[p.backup_member_id()].push_back(&p);
   }
@@ -350,12 +352,14 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
       do {
         const v1::Partition* p = parts[i++];
         request.add_partition_ids(p->id());
-        if (params != nullptr) {
+        if (values != nullptr) {
           auto* chunk = request.mutable_values()->add_chunks();
           *chunk->mutable_range() = p->range();
           chunk->set_dtype(v1::DTYPE_FLOAT32);
           const size_t n = p->range().end() - p->range().begin();
-          chunk->set_data(reinterpret_cast<const char*>(params + p->range().begin()), n * sizeof(float));
+          std::string* data = chunk->mutable_data();
+          data->resize(n * sizeof(float));
+          (*values)(p->range().begin(), p->range().end(), reinterpret_cast<float*>(data->data()));
           bytes += n * sizeof(float);
         }
       } while (i < parts.size() && bytes < kInitBytesPerCall && request.partition_ids_size() < 4096);
@@ -379,7 +383,21 @@ Result<int> PsClient::Initialize(const google::protobuf::RepeatedPtrField<v1::Te
   *base.mutable_optimizer() = optimizer;
   *base.mutable_consistency() = consistency;
   base.mutable_values();
-  return InitializeWith(base, params);
+  const ValueSource copy = [params](uint64_t b, uint64_t e, float* out) {
+    std::memcpy(out, params + b, (e - b) * sizeof(float));
+  };
+  return InitializeWith(base, 0, UINT64_MAX, &copy);
+}
+
+Result<int> PsClient::Initialize(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
+                                 const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency,
+                                 uint64_t begin, uint64_t end, const ValueSource& values) {
+  v1::InitializeParametersRequest base;
+  *base.mutable_tensors() = tensors;
+  *base.mutable_optimizer() = optimizer;
+  *base.mutable_consistency() = consistency;
+  base.mutable_values();
+  return InitializeWith(base, begin, end, &values);
 }
 
 Result<int> PsClient::InitializeFromCheckpoint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
@@ -390,7 +408,7 @@ Result<int> PsClient::InitializeFromCheckpoint(const google::protobuf::RepeatedP
   *base.mutable_optimizer() = optimizer;
   *base.mutable_consistency() = consistency;
   base.set_checkpoint_path(path);
-  return InitializeWith(base, nullptr);
+  return InitializeWith(base, 0, UINT64_MAX, nullptr);
 }
 
 Result<std::vector<v1::CheckpointInfo>> PsClient::SaveCheckpoint(const std::string& directory, uint64_t step,

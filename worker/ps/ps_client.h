@@ -124,6 +124,14 @@ class PsClient {
   Result<int> Initialize(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
                          const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency,
                          const float* params);
+  // The same for the partitions that overlap the flattened space's
+  // [begin, end) only (a pipeline stage's range): `values(b, e, out)` writes
+  // the initial values of [b, e) (whole partitions, so they may reach beyond
+  // the range) into out[0, e - b).
+  using ValueSource = std::function<void(uint64_t begin, uint64_t end, float* out)>;
+  Result<int> Initialize(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
+                         const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency, uint64_t begin,
+                         uint64_t end, const ValueSource& values);
   // The same, with the state read by every server from a checkpoint.
   Result<int> InitializeFromCheckpoint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
                                        const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency,
@@ -159,7 +167,9 @@ class PsClient {
   void OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, void* payload);
   void OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const Status& status);
   void FailAll(const std::shared_ptr<Group>& group, const Status& status);
-  Result<int> InitializeWith(const v1::InitializeParametersRequest& base, const float* params);
+  // values == nullptr: from a checkpoint (no values in the request).
+  Result<int> InitializeWith(const v1::InitializeParametersRequest& base, uint64_t begin, uint64_t end,
+                             const ValueSource* values);
   std::unique_ptr<grpc::ClientContext> Context() const;
 
   const PsClientOptions options_;
