@@ -22,6 +22,7 @@
 #include "tandem/v1/coordinator.grpc.pb.h"
 #include "tandem/v1/server.grpc.pb.h"
 #include "worker/model/model.h"
+#include "worker/runtime/pipeline.h"
 
 namespace tandem::cli {
 namespace {
@@ -59,6 +60,7 @@ struct Record {
   double exposed_seconds = 0;
   uint32_t world_size = 0;
   double time = 0;
+  std::vector<double> pipeline_idle;  // by stage
 };
 
 // Reads the lines appended to a progress file since the last call.
@@ -95,6 +97,7 @@ class ProgressReader {
       r.exposed_seconds = n["exposed_seconds"].as<double>();
       r.world_size = n["world_size"].as<uint32_t>();
       r.time = n["time"].as<double>();
+      if (n["pipeline_idle"]) r.pipeline_idle = n["pipeline_idle"].as<std::vector<double>>();
       (*records)[r.step] = r;
     } catch (const std::exception&) {
       // Not a step line (a torn write is impossible: lines are flushed whole).
@@ -142,6 +145,21 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   const int64_t servers = servers_needed ? o.servers : 0;
   auto model_config = worker::ModelConfigOf(o.train);
   if (!model_config.ok()) return model_config.status();
+  if (o.pp > 1) {
+    // The mesh must fit before anything starts.
+    if (workers % o.pp != 0) {
+      return InvalidArgument(
+          "--pp {}: the {} workers ({} node(s) x {}) do not split into {} pipeline stages of equal size", o.pp, workers,
+          o.nodes, o.workers_per_node, o.pp);
+    }
+    if (o.add_worker_at > 0) {
+      return InvalidArgument(
+          "--add-worker-at with --pp {}: one more worker does not fit the mesh (it grows by {} workers)", o.pp, o.pp);
+    }
+    model::ModelConfig staged = *model_config;
+    staged.pipeline_stages = static_cast<int>(o.pp);
+    TANDEM_RETURN_IF_ERROR(staged.Validate().WithContext(fmt::format("--pp {}", o.pp)));
+  }
   TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
   uint64_t parameters = 0;
   for (const auto& t : model::TensorLayout(*model_config)) parameters += t.size;
@@ -223,12 +241,27 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
 
   // The coordinator: the whole job in its flags.
   const int64_t max_workers = workers + (o.add_worker_at > 0 ? 1 : 0);
-  Status status = launch(
-      "tandem-coordinator", "coordinator", -1, false,
-      {"--data-dir", work_dir + "/coordinator-data", "--job-min-workers", std::to_string(workers), "--job-max-workers",
-       std::to_string(max_workers), "--job-min-servers", std::to_string(servers), "--job-last-call-window", "0s",
-       "--job-parameter-count", std::to_string(servers > 0 ? parameters : 0), "--job-partition-size",
-       std::to_string(o.partition_bytes), "--job-heartbeat-interval", "500ms", "--job-heartbeat-deadline", "3s"});
+  Status status = launch("tandem-coordinator", "coordinator", -1, false,
+                         {"--data-dir",
+                          work_dir + "/coordinator-data",
+                          "--job-min-workers",
+                          std::to_string(workers),
+                          "--job-max-workers",
+                          std::to_string(max_workers),
+                          "--job-min-servers",
+                          std::to_string(servers),
+                          "--job-last-call-window",
+                          "0s",
+                          "--job-parameter-count",
+                          std::to_string(servers > 0 ? parameters : 0),
+                          "--job-partition-size",
+                          std::to_string(o.partition_bytes),
+                          "--job-heartbeat-interval",
+                          "500ms",
+                          "--job-heartbeat-deadline",
+                          "3s",
+                          "--job-mesh-pp",
+                          std::to_string(o.pp)});
   const std::string coordinator = status.ok() ? members[0].daemon.ready.grpc_address : "";
   for (int64_t i = 0; status.ok() && i < servers && !shutdown.requested(); ++i) {
     const int node = static_cast<int>(i % o.nodes);
@@ -423,11 +456,18 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   std::set<uint64_t> epochs;
   std::vector<double> step_s, compute_s;
   double tokens = 0, span_steps = 0, exposed = 0;
+  std::vector<double> idle_sum;  // by pipeline stage
+  double idle_steps = 0;
   const Record* previous = nullptr;
   for (const auto& [step, r] : records) {
     summary.losses.push_back(r.loss);
     epochs.insert(r.epoch);
     if (step >= 2) {
+      if (!r.pipeline_idle.empty()) {
+        idle_sum.resize(r.pipeline_idle.size(), 0.0);
+        for (size_t i = 0; i < r.pipeline_idle.size() && i < idle_sum.size(); ++i) idle_sum[i] += r.pipeline_idle[i];
+        ++idle_steps;
+      }
       step_s.push_back(r.step_seconds);
       compute_s.push_back(r.compute_seconds);
       exposed += r.exposed_seconds;
@@ -460,6 +500,16 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   summary.step_seconds_median = Median(step_s);
   summary.compute_seconds_median = Median(compute_s);
   summary.exposed_fraction = span_steps > 0 ? exposed / span_steps : 0;
+  if (o.pp > 1) {
+    summary.pipeline_stages = static_cast<uint32_t>(o.pp);
+    summary.pipeline_schedule = o.train.pipeline_schedule;
+    for (double v : idle_sum) summary.pipeline_idle.push_back(idle_steps > 0 ? v / idle_steps : 0);
+    // Micro-batches per pipeline: the accumulation, or fewer when a shard is smaller.
+    const int64_t dp = workers / o.pp;
+    const int64_t shard = std::max<int64_t>(1, o.train.global_batch / dp);
+    summary.analytic_bubble =
+        worker::AnalyticBubble(static_cast<int>(o.pp), static_cast<int>(std::min(o.train.accumulation, shard)));
+  }
   if (summary.completed && summary.steps < steps) {
     summary.completed = false;
     summary.failure = fmt::format("only {} of {} steps were reported", summary.steps, steps);
@@ -468,6 +518,8 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
 }
 
 std::string SummaryJson(const RunSummary& s) {
+  std::string idle;
+  for (size_t i = 0; i < s.pipeline_idle.size(); ++i) idle += (i ? "," : "") + JsonNumber(s.pipeline_idle[i], 4);
   std::string losses;
   for (size_t i = 0; i < s.losses.size(); ++i) {
     losses += (i ? "," : "") + (std::isfinite(s.losses[i]) ? fmt::format("{:.6f}", s.losses[i]) : std::string("null"));
@@ -477,13 +529,15 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"tokens_per_second\": {},\n  \"mode\": {},\n  \"world_size\": {},\n  \"epochs\": {},\n  \"faults\": {},\n"
       "  \"workers_added\": {},\n  \"server_steps_applied\": {},\n  \"step_seconds_median\": {},\n"
       "  \"compute_seconds_median\": {},\n  \"exposed_comm_fraction\": {},\n  \"network\": {},\n"
-      "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"losses\": [{}]\n}}\n",
+      "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"pipeline_stages\": {},\n"
+      "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
       JsonNumber(s.compute_seconds_median, 6), JsonNumber(s.exposed_fraction, 4), JsonQuote(s.network),
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
-      losses);
+      s.pipeline_stages, s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle,
+      JsonNumber(s.analytic_bubble, 4), losses);
 }
 
 }  // namespace tandem::cli

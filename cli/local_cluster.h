@@ -31,6 +31,7 @@ struct ClusterOptions {
   int64_t nodes = 2;
   int64_t workers_per_node = 1;
   int64_t servers = 1;
+  int64_t pp = 1;                        // pipeline stages (the job's mesh.pp)
   worker::TrainConfig train;             // steps, mode, data, seed, model, optimizer, ...
   uint64_t partition_bytes = 256 << 10;  // the servers' partition size
   int64_t kill_worker_at = 0;            // SIGKILL one worker once this step is done (0: never)
@@ -66,6 +67,13 @@ struct RunSummary {
   std::optional<uint64_t> server_steps_applied;  // updates applied, when every server agrees
   std::string server_steps_detail;               // per server, when they disagree or could not be asked
   std::string network;                           // "netns" or "loopback"
+  // Pipeline parallelism: stages, and each stage's idle fraction over
+  // steps 2..N (mean of the per-step fractions) beside the analytic bubble
+  // (stages - 1) / (micro-batches + stages - 1).
+  uint32_t pipeline_stages = 1;
+  std::string pipeline_schedule;
+  std::vector<double> pipeline_idle;
+  double analytic_bubble = 0;
   double elapsed_seconds = 0;
   std::string work_dir;
 };

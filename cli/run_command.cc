@@ -27,6 +27,11 @@ int RunCommand(int argc, char** argv) {
   options.Int("nodes", &o.nodes, "simulated nodes", 1, 253);
   options.Int("workers_per_node", &o.workers_per_node, "workers on each node", 1, 64);
   options.Int("servers", &o.servers, "parameter-server processes (none in allreduce mode)", 0, 64);
+  options.Int("pp", &o.pp,
+              "pipeline stages: the model is split into this many stages over the workers (rank order: a stage's "
+              "workers are contiguous, so whole nodes hold one stage when the stage size is a multiple of "
+              "--workers-per-node); train.accumulation micro-batches flow through them",
+              1, 64);
   options.Choice("mode", &o.train.mode, worker::TrainingModeNames(),
                  "hybrid (node reduce-scatter, servers, node all-gather), allreduce (no servers), ps (every worker "
                  "pushes to the servers)");
@@ -55,7 +60,8 @@ int RunCommand(int argc, char** argv) {
   options.SetEpilog(
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
       "The summary has the keys steps, first_loss, last_loss, tokens_per_second, mode, world_size, epochs,\n"
-      "faults and server_steps_applied (docs/training.md).");
+      "faults, server_steps_applied, and with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
+      "(docs/training.md).");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
 
   auto summary = RunLocalTraining(o, shutdown);
@@ -71,6 +77,14 @@ int RunCommand(int argc, char** argv) {
       s.tokens_per_second, s.step_seconds_median * 1e3, s.exposed_fraction * 100);
   fmt::print("  membership epochs {}, faults injected {}, workers added {}, final world size {}\n", s.epochs, s.faults,
              s.workers_added, s.world_size);
+  if (s.pipeline_stages > 1) {
+    std::string idle;
+    for (size_t i = 0; i < s.pipeline_idle.size(); ++i) {
+      idle += fmt::format("{}stage {} {:.1f}%", i ? ", " : "", i, s.pipeline_idle[i] * 100);
+    }
+    fmt::print("  pipeline: {} stages, {}; idle {} (analytic bubble {:.1f}%)\n", s.pipeline_stages, s.pipeline_schedule,
+               idle.empty() ? "not measured" : idle, s.analytic_bubble * 100);
+  }
   if (s.server_steps_applied) {
     fmt::print("  the servers applied {} updates{}\n", *s.server_steps_applied,
                *s.server_steps_applied == s.steps ? " (one per completed step)" : " (NOT one per completed step)");

@@ -176,6 +176,90 @@ TEST(TrainProcessTest, Bf16OnTheWireStillLearns) {
   EXPECT_LT(run.summary["last_loss"].as<double>(), run.summary["first_loss"].as<double>() - 1.5) << run.output;
 }
 
+// Pipeline parallelism (--pp 2): the model split into two stages over the
+// workers, with the shard's micro-batches flowing through them.
+// - 2 nodes x 1 worker (one stage each, dp 1) with 1F1B: bit for bit the
+//   one-process run with the same micro-batches. Each stage runs the same
+//   kernels on the same inputs (ModelTest.PipelineStagesChainedEqualTheWhole-
+//   ModelBitForBit), backwards go in micro-batch order, and the servers add
+//   zeros from the other stage to the one partition (256 KiB holds the whole
+//   model), which changes no bit.
+// - 2 nodes x 2 workers (dp 2) with GPipe and three micro-batches (sizes 2,
+//   1 and 1: the pipeline pads the smaller ones), in hybrid and allreduce
+//   mode; and 3 nodes x 2 workers in ps mode, where the middle node holds a
+//   worker of each stage and 16 KiB partitions straddle the stage boundary.
+//   These sum over data-parallel ranks, so they agree to rounding (the
+//   bounds at the top of this file).
+TEST(TrainProcessTest, PipelineParallelRunsEqualOneProcess) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "12", "--train-accumulation", "4"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const auto exact = Invoke(dir, "pp-1f1b",
+                            {"run", "--pp", "2", "--nodes", "2", "--steps", "12", "--network", "loopback",
+                             "--train-accumulation", "4", "--train-pipeline-schedule", "1f1b"});
+  ASSERT_TRUE(exact.ok) << exact.output;
+  EXPECT_EQ(exact.summary["pipeline_stages"].as<int>(), 2);
+  EXPECT_EQ(exact.summary["pipeline_schedule"].as<std::string>(), "1f1b");
+  EXPECT_EQ(exact.summary["pipeline_idle"].size(), 2u);
+  EXPECT_NEAR(exact.summary["analytic_bubble"].as<double>(), 0.2, 1e-9);  // (2 - 1) / (4 + 2 - 1)
+  EXPECT_EQ(exact.summary["server_steps_applied"].as<int>(), 12) << exact.output;
+  ASSERT_EQ(exact.params.size(), local.params.size());
+  EXPECT_EQ(std::memcmp(exact.params.data(), local.params.data(), local.params.size() * sizeof(float)), 0);
+  ExpectSameTraining(local, exact, "adamw");
+
+  for (const std::string mode : {"hybrid", "allreduce"}) {
+    const auto run = Invoke(
+        dir, "pp-gpipe-" + mode,
+        {"run", "--mode", mode, "--pp", "2", "--nodes", "2", "--workers-per-node", "2", "--steps", "12", "--network",
+         "loopback", "--train-accumulation", "3", "--train-pipeline-schedule", "gpipe", "--partition-size", "16KiB"});
+    ASSERT_TRUE(run.ok) << run.output;
+    EXPECT_EQ(run.summary["world_size"].as<int>(), 4);
+    ExpectSameTraining(local, run, "adamw");
+  }
+  const auto ps =
+      Invoke(dir, "pp-ps",
+             {"run", "--mode", "ps", "--pp", "2", "--nodes", "3", "--workers-per-node", "2", "--servers", "2",
+              "--steps", "12", "--network", "loopback", "--train-accumulation", "4", "--partition-size", "16KiB"});
+  ASSERT_TRUE(ps.ok) << ps.output;
+  EXPECT_EQ(ps.summary["server_steps_applied"].as<int>(), 12) << ps.output;
+  ExpectSameTraining(local, ps, "adamw");
+}
+
+// A worker killed with SIGKILL in a dp 2 x pp 2 run: the coordinator
+// re-forms the job as dp 1 x pp 2 (the mesh grows in steps of two workers,
+// so one survivor waits on standby), the survivors are re-ranked (one moves
+// to the other stage and pulls that stage's parameters from the servers),
+// the interrupted step is retried, and the training is the one-process
+// training: every update applied exactly once.
+TEST(TrainProcessTest, APipelineRunSurvivesAKilledWorker) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "16", "--train-accumulation", "4"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const auto run = Invoke(
+      dir, "pp-kill",
+      {"run", "--pp", "2", "--nodes", "2", "--workers-per-node", "2", "--servers", "2", "--steps", "16",
+       "--kill-worker-at", "5", "--network", "loopback", "--train-accumulation", "4", "--partition-size", "16KiB"});
+  ASSERT_TRUE(run.ok) << run.output;
+  EXPECT_EQ(run.summary["faults"].as<int>(), 1);
+  EXPECT_GE(run.summary["epochs"].as<int>(), 2);
+  EXPECT_EQ(run.summary["world_size"].as<int>(), 2);
+  EXPECT_EQ(run.summary["server_steps_applied"].as<int>(), 16) << run.output;
+  ExpectSameTraining(local, run, "adamw");
+}
+
+// A mesh that does not fit the workers, or a model with fewer blocks than
+// stages, fails before anything starts, saying why.
+TEST(TrainProcessTest, APipelineThatDoesNotFitFailsFast) {
+  std::vector<std::string> argv = {BinDir() + "/tandem", "run", "--pp", "3", "--nodes", "2", "--steps", "1"};
+  auto r = RunCommand(argv, std::chrono::seconds(30));
+  EXPECT_FALSE(r.exit.success());
+  EXPECT_NE(r.output.find("do not split into 3 pipeline stages"), std::string::npos) << r.output;
+  argv = {BinDir() + "/tandem", "run", "--pp", "4", "--nodes", "4", "--train-layers", "2", "--steps", "1"};
+  r = RunCommand(argv, std::chrono::seconds(30));
+  EXPECT_FALSE(r.exit.success());
+  EXPECT_NE(r.output.find("--pp 4"), std::string::npos) << r.output;
+}
+
 // A hybrid cluster launched daemon by daemon (a coordinator, three servers,
 // 2 nodes x 2 workers), so that one server can be given a failpoint.
 struct HandRun {

@@ -105,13 +105,24 @@ Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<Pip
   std::map<int, std::span<const float>> outputs, input_grads;  // by micro-batch, until sent
   PipelineTiming timing;
   const auto start = Clock::now();
-  auto check = [&](const std::map<int, std::span<const float>>& held, int micro, const char* what) -> Status {
+  // What goes out for `micro`: the span itself, or a copy padded with zeros
+  // to `elements` when the micro-batch is smaller than the largest.
+  std::vector<float> padded;
+  auto outgoing = [&](std::map<int, std::span<const float>>& held, int micro, const char* what,
+                      const float** data) -> Status {
     auto it = held.find(micro);
     if (it == held.end()) return FailedPrecondition("micro-batch {}: no {} to send", micro, what);
-    if (it->second.size() != elements) {
-      return InvalidArgument("micro-batch {}: the stage's {} has {} elements, the pipeline carries {}", micro, what,
-                             it->second.size(), elements);
+    if (it->second.size() > elements) {
+      return InvalidArgument("micro-batch {}: the stage's {} has {} elements, the pipeline carries at most {}", micro,
+                             what, it->second.size(), elements);
     }
+    *data = it->second.data();
+    if (it->second.size() < elements) {
+      padded.assign(elements, 0.0f);
+      std::copy(it->second.begin(), it->second.end(), padded.begin());
+      *data = padded.data();
+    }
+    held.erase(it);
     return Status::Ok();
   };
   for (const PipeOp& op : ops) {
@@ -132,11 +143,12 @@ Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<Pip
         }
         break;
       }
-      case PipeOp::kSendActivation:
-        status = check(outputs, op.micro, "output");
-        if (status.ok()) status = pp.Send(stage + 1, outputs[op.micro].data(), elements, dt);
-        outputs.erase(op.micro);
+      case PipeOp::kSendActivation: {
+        const float* data = nullptr;
+        status = outgoing(outputs, op.micro, "output", &data);
+        if (status.ok()) status = pp.Send(stage + 1, data, elements, dt);
         break;
+      }
       case PipeOp::kRecvGradient:
         status = pp.Recv(stage + 1, output_grad.data(), elements, dt);
         break;
@@ -151,25 +163,24 @@ Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<Pip
         }
         break;
       }
-      case PipeOp::kSendGradient:
-        status = check(input_grads, op.micro, "input gradient");
-        if (status.ok()) status = pp.Send(stage - 1, input_grads[op.micro].data(), elements, dt);
-        input_grads.erase(op.micro);
+      case PipeOp::kSendGradient: {
+        const float* data = nullptr;
+        status = outgoing(input_grads, op.micro, "input gradient", &data);
+        if (status.ok()) status = pp.Send(stage - 1, data, elements, dt);
         break;
-      case PipeOp::kSendActivationRecvGradient:
-        status = check(outputs, op.micro, "output");
-        if (status.ok()) {
-          status = pp.SendRecv(stage + 1, outputs[op.micro].data(), stage + 1, output_grad.data(), elements, dt);
-        }
-        outputs.erase(op.micro);
+      }
+      case PipeOp::kSendActivationRecvGradient: {
+        const float* data = nullptr;
+        status = outgoing(outputs, op.micro, "output", &data);
+        if (status.ok()) status = pp.SendRecv(stage + 1, data, stage + 1, output_grad.data(), elements, dt);
         break;
-      case PipeOp::kSendGradientRecvActivation:
-        status = check(input_grads, op.micro, "input gradient");
-        if (status.ok()) {
-          status = pp.SendRecv(stage - 1, input_grads[op.micro].data(), stage - 1, input.data(), elements, dt);
-        }
-        input_grads.erase(op.micro);
+      }
+      case PipeOp::kSendGradientRecvActivation: {
+        const float* data = nullptr;
+        status = outgoing(input_grads, op.micro, "input gradient", &data);
+        if (status.ok()) status = pp.SendRecv(stage - 1, data, stage - 1, input.data(), elements, dt);
         break;
+      }
     }
     if (!status.ok()) {
       return status.WithContext(

@@ -97,8 +97,10 @@ struct PipelineTiming {
 };
 
 // Runs `ops` (this stage's schedule) over `pp`, whose rank is the stage and
-// whose size is the number of stages. Every activation and gradient is
-// `elements` floats. Errors name the operation and the micro-batch; a
+// whose size is the number of stages. Every transfer carries `elements`
+// floats: the largest micro-batch's activation. A smaller micro-batch's
+// output or input gradient is padded with zeros on the way out, and its
+// receiver reads the front of what arrived. Errors name the operation and the micro-batch; a
 // communicator error leaves the pipeline group unusable (as any collective
 // failure does).
 Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<PipeOp>& ops, size_t elements,

@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <set>
 
 #include <spdlog/spdlog.h>
 
@@ -91,13 +92,23 @@ struct Runtime::Bucket {
     const float* grad = nullptr;
     float* param = nullptr;
     size_t count = 0;
-    size_t wire_offset = 0;  // elements into wire_out / wire_in
+    size_t wire_offset = 0;    // elements into wire_out / wire_in
+    uint32_t contributor = 0;  // among the partition's contributors (its stages' together)
+    uint32_t contributors = 0;
+    // A partition only partly in this stage (not packed): the whole
+    // partition's gradient (zeros outside the stage) and pulled parameters.
+    size_t cut = 0;  // index into the bucket's partitions
+    std::vector<float> edge_grad, edge_param;
   };
   std::vector<Owned> owned;
   // Hybrid with L > 1 local ranks: partition k of the bucket belongs to local
   // rank k % L, at slot[k] in that rank's block of `block` elements.
   std::vector<uint32_t> partitions;
-  std::vector<std::pair<size_t, size_t>> ranges;
+  std::vector<std::pair<size_t, size_t>> ranges;  // whole partitions, in the whole model's elements
+  // The part of each partition in this stage: [first, second) of params_,
+  // and where it starts inside the partition.
+  std::vector<std::pair<size_t, size_t>> cuts;
+  std::vector<size_t> cut_offset;
   std::vector<size_t> slot;
   size_t block = 0;
   std::vector<float> staging;  // L blocks: reduce-scatter input, all-gather output
@@ -130,7 +141,8 @@ void Runtime::Stop() {
   cv_.notify_all();
 }
 
-Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors) {
+Status Runtime::CheckBuffers(std::span<float> params, std::span<float> grads,
+                             const std::vector<v1::TensorSpec>& tensors) {
   if (params.size() != grads.size()) {
     return InvalidArgument("parameters ({} elements) and gradients ({} elements) differ in size", params.size(),
                            grads.size());
@@ -149,18 +161,88 @@ Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vec
   if (covered != params.size()) {
     return InvalidArgument("the tensor table covers {} elements, but the parameters have {}", covered, params.size());
   }
+  return Status::Ok();
+}
+
+Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors) {
+  TANDEM_RETURN_IF_ERROR(CheckBuffers(params, grads, tensors));
+  ModelBinding model;
+  model.tensors = tensors;
+  const size_t n = params.size();
+  model.bounds = [n](int stages) -> Result<std::vector<size_t>> {
+    if (stages != 1) {
+      return InvalidArgument(
+          "the mesh has pp={} pipeline stages, but the training loop attached one flat model (Runtime::Attach); "
+          "pipeline parallelism needs a model that can be split (Runtime::AttachModel)",
+          stages);
+    }
+    return std::vector<size_t>{0, n};
+  };
+  model.bind = [params, grads, tensors](int, int) -> Result<StageBuffers> {
+    return StageBuffers{params, grads, tensors, 0};
+  };
+  model.initial = [params](uint64_t b, uint64_t e, float* out) {
+    std::memcpy(out, params.data() + b, (e - b) * sizeof(float));
+  };
+  return AttachModel(std::move(model));
+}
+
+Status Runtime::AttachModel(ModelBinding model) {
+  if (!model.bounds || !model.bind || !model.initial) {
+    return InvalidArgument("the model binding needs bounds, bind and initial");
+  }
   if (options_.gradient_wire != v1::WIRE_DTYPE_FP32 && options_.gradient_wire != v1::WIRE_DTYPE_BF16) {
     return InvalidArgument("gradient wire type must be fp32 or bf16");
   }
   if (options_.parameter_wire != v1::WIRE_DTYPE_FP32 && options_.parameter_wire != v1::WIRE_DTYPE_BF16) {
     return InvalidArgument("parameter wire type must be fp32 or bf16");
   }
-  auto local = LocalOptimizer::Create(options_.optimizer, params.size());
+  auto whole = model.bounds(1);
+  if (!whole.ok()) return whole.status();
+  // The optimizer configuration is checked now, not at the first epoch.
+  auto local = LocalOptimizer::Create(options_.optimizer, 0);
   if (!local.ok()) return local.status().WithContext("optimizer");
-  if (options_.mode == TrainingMode::kAllReduce) local_ = std::move(*local);
-  params_ = params;
-  grads_ = grads;
-  tensors_ = std::move(tensors);
+  model_ = std::move(model);
+  attached_ = true;
+  stages_ = 0;
+  return Status::Ok();
+}
+
+Status Runtime::BindStage(const DataPlane::EpochView& view) {
+  const int stages = static_cast<int>(std::max<uint32_t>(1, view.epoch.mesh().pp()));
+  const int stage = static_cast<int>(view.rank.mesh().pp());
+  if (stages == stages_ && stage == stage_) return Status::Ok();
+  auto bounds = model_.bounds(stages);
+  if (!bounds.ok()) return bounds.status();
+  if (bounds->size() != static_cast<size_t>(stages) + 1 || stage >= stages) {
+    return Internal("the model's split into {} stages has {} bounds (stage {})", stages, bounds->size(), stage);
+  }
+  auto buffers = model_.bind(stage, stages);
+  if (!buffers.ok()) return buffers.status().WithContext(fmt::format("pipeline stage {} of {}", stage, stages));
+  TANDEM_RETURN_IF_ERROR(CheckBuffers(buffers->params, buffers->grads, buffers->tensors));
+  if (buffers->base != (*bounds)[stage] || buffers->base + buffers->params.size() != (*bounds)[stage + 1]) {
+    return Internal("stage {} of {} holds elements [{}, {}), but the split says [{}, {})", stage, stages, buffers->base,
+                    buffers->base + buffers->params.size(), (*bounds)[stage], (*bounds)[stage + 1]);
+  }
+  if (options_.mode == TrainingMode::kAllReduce) {
+    auto local = LocalOptimizer::Create(options_.optimizer, buffers->params.size());
+    if (!local.ok()) return local.status().WithContext("optimizer");
+    local_ = std::move(*local);
+  }
+  if (stages_ != 0) {
+    spdlog::info("epoch {}: this worker now trains pipeline stage {} of {} (was {} of {})", view.epoch.epoch(), stage,
+                 stages, stage_, stages_);
+  }
+  bounds_ = std::move(*bounds);
+  params_ = buffers->params;
+  grads_ = buffers->grads;
+  tensors_ = std::move(buffers->tensors);
+  base_ = buffers->base;
+  stage_ = stage;
+  stages_ = stages;
+  servers_initialized_ = false;
+  stage_valid_ = stages == 1 || completed_ == 0;  // a fresh model is valid only before the first step
+  grads_step_ = 0;
   return Status::Ok();
 }
 
@@ -178,7 +260,7 @@ bool Runtime::Fatal(const Status& status) const {
 }
 
 Result<StepPlan> Runtime::BeginStep() {
-  if (params_.empty()) return FailedPrecondition("BeginStep before Attach");
+  if (!attached_) return FailedPrecondition("BeginStep before Attach");
   if (in_step_) return FailedPrecondition("BeginStep while step {} is not ended (call EndStep first)", step_);
   bool resynced = false;
   while (true) {
@@ -242,30 +324,68 @@ Result<StepPlan> Runtime::BeginStep() {
   plan.dp_rank = view_->rank.mesh().dp();
   plan.dp_size = std::max<uint32_t>(1, view_->epoch.mesh().dp());
   plan.resynced = resynced;
+  plan.stage = static_cast<uint32_t>(stage_);
+  plan.stages = static_cast<uint32_t>(stages_);
+  plan.pipeline = pipeline_;
   return plan;
 }
 
 Status Runtime::Resync(const DataPlane::EpochView& view) {
   const uint64_t epoch = view.epoch.epoch();
+  const auto& mesh = view.epoch.mesh();
+  if (mesh.tp() > 1) {
+    return InvalidArgument(
+        "epoch {} has a {}x{}x{} (dp x tp x pp) mesh, but the training runtime does not do tensor parallelism "
+        "(tp > 1) yet: use tp=1",
+        epoch, mesh.dp(), mesh.tp(), mesh.pp());
+  }
   auto& manager = plane_.manager();
+  const bool pipelined = mesh.pp() > 1;
   world_ = manager.Get("world");
-  node_ = manager.Get("node");
-  if (!world_ || !node_) {
-    return FailedPrecondition("epoch {} has no communicators (is data_plane.backend off?)", epoch);
+  node_ = pipelined ? manager.Get(fmt::format("node-dp/{}", view.rank.node_rank() * mesh.pp() + view.rank.mesh().pp()))
+                    : manager.Get("node");
+  dp_ = pipelined ? manager.Get(fmt::format("dp/{}", view.rank.mesh().pp())) : world_;
+  pipeline_ = pipelined ? manager.Get(fmt::format("pp/{}", view.rank.mesh().dp())) : nullptr;
+  if (!world_ || !node_ || !dp_ || (pipelined && !pipeline_)) {
+    return FailedPrecondition("epoch {} lacks the communicators the runtime needs (is data_plane.backend off?)", epoch);
   }
   if (world_->epoch() != epoch) return Aborted("epoch {} was superseded while joining it", epoch);
-  if (view.epoch.mesh().tp() > 1 || view.epoch.mesh().pp() > 1) {
-    return InvalidArgument("the data-parallel runtime needs tp = pp = 1, but epoch {} has a {}x{}x{} mesh", epoch,
-                           view.epoch.mesh().dp(), view.epoch.mesh().tp(), view.epoch.mesh().pp());
-  }
+  TANDEM_RETURN_IF_ERROR(BindStage(view));
   view_ = std::make_shared<DataPlane::EpochView>(view);
+  // Server modes: who contributes to a stage's partitions. In hybrid mode
+  // one contribution per node-dp group (a node's workers of the stage), in
+  // ps mode one per worker; ranks are laid out stage after stage, and node
+  // by node within a stage.
+  stage_contributors_.assign(static_cast<size_t>(stages_), 0);
+  contributor_ = 0;
+  std::vector<std::set<uint32_t>> stage_nodes(static_cast<size_t>(stages_));
+  for (const auto& p : view.epoch.peers()) {
+    if (p.role() != v1::ROLE_WORKER || !p.has_rank()) continue;
+    const uint32_t s = p.rank().mesh().pp();
+    if (s < stage_nodes.size()) stage_nodes[s].insert(p.rank().node_rank());
+  }
+  for (int s = 0; s < stages_; ++s) {
+    stage_contributors_[static_cast<size_t>(s)] =
+        options_.mode == TrainingMode::kHybrid ? static_cast<uint32_t>(stage_nodes[static_cast<size_t>(s)].size())
+                                               : std::max<uint32_t>(1, mesh.dp());
+  }
+  if (options_.mode == TrainingMode::kHybrid) {
+    const auto& mine = stage_nodes[static_cast<size_t>(stage_)];
+    contributor_ = static_cast<uint32_t>(std::distance(mine.begin(), mine.find(view.rank.node_rank())));
+    if (stage_contributors_[static_cast<size_t>(stage_)] == 0 || contributor_ >= mine.size()) {
+      return FailedPrecondition("epoch {}: this worker's node is not among its stage's in the peer table", epoch);
+    }
+  } else {
+    contributor_ = view.rank.mesh().dp();
+  }
   TANDEM_RETURN_IF_ERROR(PlanBuckets(view));
   const uint64_t before = completed_;
   TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce() : ResyncFromServers(view));
   synced_epoch_ = epoch;
-  spdlog::info("epoch {}: rank {} of {} (node {} of {}), {} mode, {} buckets; resuming after step {}{}", epoch,
+  spdlog::info("epoch {}: rank {} of {} (node {} of {}){}, {} mode, {} buckets; resuming after step {}{}", epoch,
                view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
-               ModeName(options_.mode), buckets_.size(), completed_,
+               pipelined ? fmt::format(", pipeline stage {} of {}", stage_, stages_) : "", ModeName(options_.mode),
+               buckets_.size(), completed_,
                completed_ != before ? fmt::format(" (this worker had completed {})", before) : "");
   plane_.ReportStep(completed_);
   return Status::Ok();
@@ -293,33 +413,43 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
         "job.parameter_count)",
         ModeName(options_.mode), view.epoch.epoch());
   }
-  if (map.parameter_count() != n) {
+  const size_t total = bounds_.back();
+  if (map.parameter_count() != total) {
     return InvalidArgument(
         "the shard map covers {} parameters, but the model has {} (set the coordinator's "
         "job.parameter_count to {})",
-        map.parameter_count(), n, n);
+        map.parameter_count(), total, total);
   }
   const bool hybrid = options_.mode == TrainingMode::kHybrid;
   const int local = hybrid ? node_->size() : 1;
   const int me = hybrid ? node_->rank() : 0;
   const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
-  // Partitions from the last to the first, grouped into buckets.
+  const size_t lo = base_, hi = base_ + n;  // this stage's elements
+  const auto range = [&](int p) {
+    return std::pair<size_t, size_t>(map.partitions(p).range().begin(), map.partitions(p).range().end());
+  };
+  // The stage's partitions (those that overlap [lo, hi)), from the last to
+  // the first, grouped into buckets.
   int last = map.partitions_size() - 1;
-  while (last >= 0) {
+  while (last >= 0 && range(last).first >= hi) --last;
+  while (last >= 0 && range(last).second > lo) {
     auto b = std::make_unique<Bucket>();
     int first = last;
-    size_t elements = map.partitions(last).range().end() - map.partitions(last).range().begin();
-    while (first > 0 && elements < per_bucket) {
+    size_t elements = range(last).second - range(last).first;
+    while (first > 0 && range(first - 1).second > lo && elements < per_bucket) {
       --first;
-      elements += map.partitions(first).range().end() - map.partitions(first).range().begin();
+      elements += range(first).second - range(first).first;
     }
-    b->begin = map.partitions(first).range().begin();
-    b->end = map.partitions(last).range().end();
     for (int p = first; p <= last; ++p) {
+      const auto [pb, pe] = range(p);
       b->partitions.push_back(map.partitions(p).id());
-      b->ranges.emplace_back(map.partitions(p).range().begin(), map.partitions(p).range().end());
+      b->ranges.emplace_back(pb, pe);
+      b->cuts.emplace_back(std::max(pb, lo) - lo, std::min(pe, hi) - lo);
+      b->cut_offset.push_back(std::max(pb, lo) - pb);
     }
+    b->begin = b->cuts.front().first;
+    b->end = b->cuts.back().second;
     // Slots in each local rank's block.
     std::vector<size_t> fill(local, 0);
     for (size_t k = 0; k < b->partitions.size(); ++k) {
@@ -340,11 +470,33 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
       Bucket::Owned o;
       o.partition = b->partitions[k];
       o.count = b->ranges[k].second - b->ranges[k].first;
-      o.grad = packed ? b->mine.data() + b->slot[k] : grads_.data() + b->ranges[k].first;
-      o.param = packed ? b->pulled.data() + b->slot[k] : params_.data() + b->ranges[k].first;
+      o.cut = k;
+      const bool whole = b->cuts[k].second - b->cuts[k].first == o.count;
+      if (packed) {
+        o.grad = b->mine.data() + b->slot[k];
+        o.param = b->pulled.data() + b->slot[k];
+      } else if (whole) {
+        o.grad = grads_.data() + b->cuts[k].first;
+        o.param = params_.data() + b->cuts[k].first;
+      } else {
+        o.edge_grad.assign(o.count, 0.0f);
+        o.edge_param.assign(o.count, 0.0f);
+        o.grad = o.edge_grad.data();
+        o.param = o.edge_param.data();
+      }
+      // The partition's contributors: those of every stage it overlaps,
+      // numbered stage after stage.
+      for (int s = 0; s < stages_; ++s) {
+        if (bounds_[static_cast<size_t>(s) + 1] <= b->ranges[k].first ||
+            bounds_[static_cast<size_t>(s)] >= b->ranges[k].second) {
+          continue;
+        }
+        if (s == stage_) o.contributor = o.contributors + contributor_;
+        o.contributors += stage_contributors_[static_cast<size_t>(s)];
+      }
       o.wire_offset = wire;
       wire += o.count;
-      b->owned.push_back(o);
+      b->owned.push_back(std::move(o));
     }
     if (bf16_out) b->wire_out.resize(wire);
     if (bf16_in) b->wire_in.resize(wire);
@@ -359,41 +511,68 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   if (ps == nullptr || ps->epoch() != view.epoch.epoch()) {
     return Aborted("epoch {} was superseded while joining its parameter-server group", view.epoch.epoch());
   }
+  const size_t lo = base_, hi = base_ + params_.size();  // this stage's elements
   if (!servers_initialized_) {
-    google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(tensors_.begin(), tensors_.end());
+    // The stage's partitions; the parts of a straddling partition outside
+    // the stage come from the model's initial values.
+    google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(model_.tensors.begin(), model_.tensors.end());
     v1::ConsistencyConfig consistency;
     consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
-    auto initialized = ps->Initialize(tensors, options_.optimizer, consistency, params_.data());
+    const PsClient::ValueSource values = [&](uint64_t b, uint64_t e, float* out) {
+      if (b < lo) model_.initial(b, std::min<uint64_t>(e, lo), out);
+      if (e > hi) model_.initial(std::max<uint64_t>(b, hi), e, out + (std::max<uint64_t>(b, hi) - b));
+      const uint64_t from = std::max<uint64_t>(b, lo), to = std::min<uint64_t>(e, hi);
+      if (from < to) std::memcpy(out + (from - b), params_.data() + (from - lo), (to - from) * sizeof(float));
+    };
+    auto initialized = ps->Initialize(tensors, options_.optimizer, consistency, lo, hi, values);
     if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
     if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
     servers_initialized_ = true;
   }
-  // Every partition as the servers hold it now, then agree on the last step
-  // they applied: a step decided before the membership change is complete
-  // even where its pull was cut off.
+  // The stage's partitions as the servers hold them now, then agree on the
+  // last step they applied: a step decided before the membership change is
+  // complete even where its pull was cut off.
   const auto& map = view.epoch.shard_map();
-  const auto pull_all = [&](uint64_t step, const std::vector<bool>* only) -> Result<std::vector<uint64_t>> {
+  const auto overlaps = [&](int p) {
+    return map.partitions(p).range().end() > lo && map.partitions(p).range().begin() < hi;
+  };
+  const auto pull_all = [&](uint64_t step, const std::vector<bool>* only) -> Result<std::vector<int64_t>> {
     std::vector<std::shared_ptr<PsOp>> ops(map.partitions_size());
+    std::vector<std::vector<float>> edges(map.partitions_size());
     for (int p = 0; p < map.partitions_size(); ++p) {
-      if (only != nullptr && !(*only)[p]) continue;
+      if (!overlaps(p) || (only != nullptr && !(*only)[p])) continue;
       const auto& r = map.partitions(p).range();
-      ops[p] = ps->Pull(map.partitions(p).id(), step, v1::WIRE_DTYPE_FP32, params_.data() + r.begin(),
-                        (r.end() - r.begin()) * sizeof(float));
+      const size_t count = r.end() - r.begin();
+      float* into = params_.data() + (std::max<uint64_t>(r.begin(), lo) - lo);
+      if (r.begin() < lo || r.end() > hi) {
+        edges[p].resize(count);
+        into = edges[p].data();
+      }
+      ops[p] = ps->Pull(map.partitions(p).id(), step, v1::WIRE_DTYPE_FP32, into, count * sizeof(float));
     }
-    std::vector<uint64_t> steps(map.partitions_size(), 0);
+    // INT64_MAX: a partition of other stages only.
+    std::vector<int64_t> steps(map.partitions_size(), INT64_MAX);
     for (int p = 0; p < map.partitions_size(); ++p) {
       if (!ops[p]) continue;
       TANDEM_RETURN_IF_ERROR(
           ops[p]
               ->Wait(options_.timeout)
               .WithContext(fmt::format("pulling partition {} from the parameter servers", map.partitions(p).id())));
-      steps[p] = ops[p]->reply().step;
+      steps[p] = static_cast<int64_t>(ops[p]->reply().step);
+      if (!edges[p].empty()) {
+        const auto& r = map.partitions(p).range();
+        const uint64_t from = std::max<uint64_t>(r.begin(), lo), to = std::min<uint64_t>(r.end(), hi);
+        std::memcpy(params_.data() + (from - lo), edges[p].data() + (from - r.begin()), (to - from) * sizeof(float));
+      }
     }
     return steps;
   };
   auto steps = pull_all(0, nullptr);
   if (!steps.ok()) return steps.status();
-  int64_t mine = static_cast<int64_t>(*std::max_element(steps->begin(), steps->end()));
+  int64_t mine = 0;
+  for (int64_t step : *steps) {
+    if (step != INT64_MAX) mine = std::max(mine, step);
+  }
   int64_t agreed = 0;
   TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
                              .WithContext("agreeing on the servers' last step"));
@@ -407,7 +586,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   std::string lagging;
   size_t count = 0;
   for (size_t p = 0; p < lowest.size(); ++p) {
-    if (lowest[p] >= agreed) continue;
+    if (lowest[p] >= agreed) continue;  // applied it (or, INT64_MAX, pulled by no rank: impossible)
     const uint32_t id = map.partitions(static_cast<int>(p)).id();
     if (lowest[p] + 1 < agreed) {
       return Internal(
@@ -480,23 +659,33 @@ Status Runtime::ResyncAllReduce() {
   int64_t agreed = 0;
   TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
                              .WithContext("agreeing on the last completed step"));
-  int64_t candidate = mine == agreed ? world_->rank() : INT64_MAX;
+  // The lowest rank of the stage's data-parallel group that holds the
+  // stage's state after that step sends it to the others.
+  int64_t candidate = mine == agreed && stage_valid_ ? dp_->rank() : INT64_MAX;
   int64_t root = 0;
-  TANDEM_RETURN_IF_ERROR(world_->AllReduce(&candidate, &root, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
+  TANDEM_RETURN_IF_ERROR(dp_->AllReduce(&candidate, &root, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
                              .WithContext("choosing the rank that broadcasts the parameters"));
+  if (root == INT64_MAX) {
+    return FailedPrecondition(
+        "pipeline stage {} of {}: no worker holds its parameters after step {} (in allreduce mode only the workers "
+        "hold them, and every worker that trained this stage is gone or moved): restart from a checkpoint, or train "
+        "in hybrid or ps mode, where the servers keep every stage",
+        stage_, stages_, agreed);
+  }
   const int r = static_cast<int>(root);
-  TANDEM_RETURN_IF_ERROR(world_->Broadcast(params_.data(), params_.size(), comm::DType::kFloat32, r)
+  TANDEM_RETURN_IF_ERROR(dp_->Broadcast(params_.data(), params_.size(), comm::DType::kFloat32, r)
                              .WithContext("broadcasting the parameters"));
   for (auto* state : {&local_->state0(), &local_->state1()}) {
     if (state->empty()) continue;
-    TANDEM_RETURN_IF_ERROR(world_->Broadcast(state->data(), state->size(), comm::DType::kFloat32, r)
+    TANDEM_RETURN_IF_ERROR(dp_->Broadcast(state->data(), state->size(), comm::DType::kFloat32, r)
                                .WithContext("broadcasting the optimizer state"));
   }
   int64_t updates = static_cast<int64_t>(local_->updates());
   TANDEM_RETURN_IF_ERROR(
-      world_->Broadcast(&updates, 1, comm::DType::kInt64, r).WithContext("broadcasting the optimizer's update count"));
+      dp_->Broadcast(&updates, 1, comm::DType::kInt64, r).WithContext("broadcasting the optimizer's update count"));
   local_->set_updates(static_cast<uint64_t>(updates));
   completed_ = static_cast<uint64_t>(agreed);
+  stage_valid_ = true;
   return Status::Ok();
 }
 
@@ -515,27 +704,34 @@ Status Runtime::RunBucket(Bucket& b) {
     if (options_.gradient_wire == v1::WIRE_DTYPE_BF16) {
       optim::EncodeWire(b.wire_out.data(), g, v1::WIRE_DTYPE_BF16, count);
       TANDEM_RETURN_IF_ERROR(
-          world_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum));
+          dp_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum));
       optim::AccumulateWire(g, b.wire_out.data(), v1::WIRE_DTYPE_BF16, count, /*overwrite=*/true);
       return Status::Ok();
     }
-    return world_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
+    return dp_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
   }
   const bool hybrid = options_.mode == TrainingMode::kHybrid;
   const int local = hybrid ? node_->size() : 1;
   if (local > 1) {
-    // Pack: local rank j's partitions side by side in block j.
+    // Pack: local rank j's partitions side by side in block j (a partition
+    // only partly in this stage with zeros around its part).
     for (size_t k = 0; k < b.partitions.size(); ++k) {
       const size_t owner = k % static_cast<size_t>(local);
-      std::memcpy(b.staging.data() + owner * b.block + b.slot[k], grads_.data() + b.ranges[k].first,
-                  (b.ranges[k].second - b.ranges[k].first) * sizeof(float));
+      float* slot = b.staging.data() + owner * b.block + b.slot[k];
+      const size_t whole = b.ranges[k].second - b.ranges[k].first;
+      const size_t part = b.cuts[k].second - b.cuts[k].first;
+      if (part != whole) std::fill(slot, slot + whole, 0.0f);
+      std::memcpy(slot + b.cut_offset[k], grads_.data() + b.cuts[k].first, part * sizeof(float));
     }
     TANDEM_RETURN_IF_ERROR(
         node_->ReduceScatter(b.staging.data(), b.mine.data(), b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
   }
+  for (auto& o : b.owned) {
+    if (o.edge_grad.empty()) continue;
+    const auto [from, to] = b.cuts[o.cut];
+    std::memcpy(o.edge_grad.data() + b.cut_offset[o.cut], grads_.data() + from, (to - from) * sizeof(float));
+  }
   PsClient* ps = plane_.ps_client();
-  const uint32_t contributor = hybrid ? view_->rank.node_rank() : view_->rank.global_rank();
-  const uint32_t contributors = hybrid ? view_->rank.node_count() : view_->rank.world_size();
   const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
   for (const auto& o : b.owned) {
@@ -546,7 +742,7 @@ Status Runtime::RunBucket(Bucket& b) {
       src = b.wire_out.data() + o.wire_offset;
       bytes = o.count * sizeof(uint16_t);
     }
-    b.pushes.push_back(ps->Push(o.partition, step_, contributor, contributors, options_.gradient_wire, src, bytes));
+    b.pushes.push_back(ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes));
     // The pull is answered once every server applied the step, which needs
     // every contribution of every partition: never before this worker's
     // backward is over, so it may land in the parameters directly.
@@ -585,13 +781,18 @@ Status Runtime::FinishBuckets() {
         if (options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
           optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
         }
+        if (!o.edge_param.empty()) {
+          const auto [from, to] = b.cuts[o.cut];
+          std::memcpy(params_.data() + from, o.edge_param.data() + b.cut_offset[o.cut], (to - from) * sizeof(float));
+        }
       }
       if (local > 1) {
         TANDEM_RETURN_IF_ERROR(node_->AllGather(b.pulled.data(), b.staging.data(), b.block, comm::DType::kFloat32));
         for (size_t k = 0; k < b.partitions.size(); ++k) {
           const size_t owner = k % static_cast<size_t>(local);
-          std::memcpy(params_.data() + b.ranges[k].first, b.staging.data() + owner * b.block + b.slot[k],
-                      (b.ranges[k].second - b.ranges[k].first) * sizeof(float));
+          std::memcpy(params_.data() + b.cuts[k].first,
+                      b.staging.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
+                      (b.cuts[k].second - b.cuts[k].first) * sizeof(float));
         }
       }
     }
@@ -643,6 +844,20 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   completed_ = step_;
   plane_.ReportStep(completed_);
   return result;
+}
+
+void Runtime::AbandonStep(const Status& why) {
+  if (!in_step_) return;
+  {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
+    step_status_ = Status::Ok();
+    comm_busy_ = 0;
+  }
+  in_step_ = false;
+  failed_epoch_ = synced_epoch_;
+  last_failure_ = why;
+  synced_epoch_ = 0;
 }
 
 void Runtime::Enqueue(std::function<Status()> task) {

@@ -44,6 +44,23 @@
 // operator asked for) BeginStep resynchronises and then waits, without a time
 // limit, for the next epoch.
 //
+// Pipeline parallelism. With a mesh of pp > 1 stages (tp must be 1), each
+// worker trains one stage: the model is attached with AttachModel, and the
+// runtime asks it for the stage of the worker's pp coordinate whenever that
+// changes (the first epoch, or a re-ranking after a membership change). The
+// stage's parameters are one contiguous range of the whole model's flat
+// buffer. Gradients are summed over the stage's data-parallel group: inside
+// a node over the "node-dp" group (the node's workers of that stage), then
+// by the servers, where a partition that straddles two stages gets one
+// contribution per node of each (zeros outside the contributor's range); in
+// allreduce mode over the stage's "dp" group. The loss goes over the world
+// (only the last stage has one). StepPlan::pipeline is the stage's "pp"
+// group, over which the training loop runs its micro-batch schedule
+// (worker/runtime/pipeline.h). A worker that moves to another stage pulls
+// that stage's parameters from the servers; in allreduce mode it gets them
+// from a worker of its new stage's dp group that holds them, and the step
+// fails with FAILED_PRECONDITION naming the stage when none does.
+//
 // Thread safety: BeginStep, GradientsReady and EndStep are called from the
 // training thread only. Stop() may be called from any thread.
 #pragma once
@@ -106,6 +123,37 @@ struct StepPlan {
   uint32_t dp_rank = 0;  // data-parallel rank and size: the batch's shard
   uint32_t dp_size = 1;
   bool resynced = false;  // the parameters were (re)loaded for this step
+  // Pipeline parallelism: this worker's stage of `stages`, and the stage's
+  // pp group (group rank = stage; null when stages == 1).
+  uint32_t stage = 0;
+  uint32_t stages = 1;
+  std::shared_ptr<comm::Communicator> pipeline;
+};
+
+// One pipeline stage of a model: its parameters and gradients, the whole
+// model's flat elements [base, base + params.size()).
+struct StageBuffers {
+  std::span<float> params;
+  std::span<float> grads;
+  std::vector<v1::TensorSpec> tensors;  // the stage's tensors, flat_offset relative to params
+  size_t base = 0;
+};
+
+// A model that can be split into pipeline stages (Runtime::AttachModel).
+struct ModelBinding {
+  // The whole model's tensor table (global flat offsets): the servers hold
+  // the whole model.
+  std::vector<v1::TensorSpec> tensors;
+  // Where each stage of a split into `stages` begins, and the end: stages + 1
+  // ascending offsets from 0 to the parameter count. INVALID_ARGUMENT when
+  // the model cannot be split so (more stages than blocks).
+  std::function<Result<std::vector<size_t>>(int stages)> bounds;
+  // Makes this worker's model stage `stage` of `stages` (with its initial
+  // parameters) and returns its buffers, valid until the next call.
+  std::function<Result<StageBuffers>(int stage, int stages)> bind;
+  // The initial values of the whole model's [begin, end): the servers'
+  // partitions that straddle a stage boundary need both stages' values.
+  std::function<void(uint64_t begin, uint64_t end, float* out)> initial;
 };
 
 // What EndStep reports.
@@ -157,6 +205,9 @@ class Runtime {
   // first sync the servers are initialised from `params` (the first worker
   // to call wins; every worker should start from the same values).
   Status Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors);
+  // A model that can be split into pipeline stages: bound to a stage at the
+  // first epoch (stage 0 of 1 when pp = 1).
+  Status AttachModel(ModelBinding model);
 
   // Waits for an epoch (resynchronising after a membership change or a
   // failed step) and plans the next step. Errors: CANCELLED after Stop();
@@ -175,6 +226,15 @@ class Runtime {
   // died) leaves the step to be retried by the next BeginStep.
   Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens);
 
+  // Gives up the step begun by BeginStep when its computation failed (a
+  // pipeline peer died): waits for the communication already started, and
+  // the next BeginStep resynchronises in a newer epoch, as after a failed
+  // EndStep.
+  void AbandonStep(const Status& why);
+  // Whether a failure ends training (bad configuration or input, Stop())
+  // rather than a membership change to wait out.
+  bool Fatal(const Status& status) const;
+
   // Steps completed (the servers', after a resync).
   uint64_t completed_steps() const { return completed_; }
   // Fails whatever waits and makes BeginStep return CANCELLED.
@@ -185,6 +245,8 @@ class Runtime {
   struct StepState;
 
   Status Resync(const DataPlane::EpochView& view);
+  Status BindStage(const DataPlane::EpochView& view);
+  Status CheckBuffers(std::span<float> params, std::span<float> grads, const std::vector<v1::TensorSpec>& tensors);
   Status ResyncFromServers(const DataPlane::EpochView& view);
   Status ResyncAllReduce();
   Status PlanBuckets(const DataPlane::EpochView& view);
@@ -194,15 +256,25 @@ class Runtime {
   Result<bool> PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which);
   void Enqueue(std::function<Status()> task);
   void CommLoop();
-  bool Fatal(const Status& status) const;
 
   RuntimeOptions options_;
   DataPlane& plane_;
+  ModelBinding model_;
+  bool attached_ = false;
+  // The bound stage: its buffers (the whole model's [base_, base_ + size)),
+  // and the bounds of every stage.
+  int stage_ = 0;
+  int stages_ = 0;  // 0: not bound yet
+  std::vector<size_t> bounds_;
+  size_t base_ = 0;
   std::span<float> params_;
   std::span<float> grads_;
   std::vector<v1::TensorSpec> tensors_;
   std::unique_ptr<LocalOptimizer> local_;  // allreduce mode
-  bool servers_initialized_ = false;
+  bool servers_initialized_ = false;       // for the bound stage's range
+  // Allreduce mode: params_ (and local_) hold the stage's state after
+  // completed_ steps; false after binding a new stage.
+  bool stage_valid_ = false;
 
   // The synced epoch and what was derived from it.
   uint64_t synced_epoch_ = 0;
@@ -212,7 +284,13 @@ class Runtime {
   uint64_t completed_ = 0;
   std::shared_ptr<const DataPlane::EpochView> view_;
   std::shared_ptr<comm::Communicator> world_;
-  std::shared_ptr<comm::Communicator> node_;
+  std::shared_ptr<comm::Communicator> node_;      // the node's workers of this stage ("node", or "node-dp")
+  std::shared_ptr<comm::Communicator> dp_;        // the stage's data-parallel group ("world", or "dp/<stage>")
+  std::shared_ptr<comm::Communicator> pipeline_;  // "pp/<dp>" when stages_ > 1
+  // Server modes: contributions per stage (nodes in hybrid mode, workers in
+  // ps mode), and this worker's index among its stage's.
+  std::vector<uint32_t> stage_contributors_;
+  uint32_t contributor_ = 0;
   std::vector<std::unique_ptr<Bucket>> buckets_;  // from the end of the buffer to its start
   size_t next_bucket_ = 0;
   bool in_step_ = false;

@@ -16,6 +16,7 @@
 
 #include "worker/data/dataset.h"
 #include "worker/data/sampler.h"
+#include "worker/runtime/pipeline.h"
 
 namespace tandem::worker {
 
@@ -47,6 +48,8 @@ struct Setup {
   uint64_t cursor_step = 1;
   data::Cursor cursor;
   std::vector<uint8_t> tokens, targets;
+  // Pipeline parallelism: the micro-batches of the step in flight.
+  std::vector<std::vector<uint8_t>> micro_tokens, micro_targets;
 };
 
 Result<Setup> Prepare(const TrainConfig& config) {
@@ -133,6 +136,142 @@ Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t d
   share.samples = n;
   share.tokens = n * T;
   return share;
+}
+
+// The same through a pipeline: this stage's forward and backward of the
+// shard's micro-batches on `schedule`, over plan.pipeline. The last stage
+// has the loss; the samples and tokens are counted there too.
+Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSchedule schedule,
+                                   const std::function<void(size_t)>& on_ready, PipelineTiming* timing) {
+  auto cursor = CursorOf(s, plan.step);
+  if (!cursor.ok()) return cursor.status();
+  auto batch = s.sampler.BatchSize(*cursor, s.global_batch);
+  if (!batch.ok()) return batch.status();
+  auto indices = s.sampler.Batch(*cursor, s.global_batch, plan.dp_rank, plan.dp_size);
+  if (!indices.ok()) return indices.status();
+  Share share;
+  share.cursor = *cursor;
+  share.indices = *indices;
+  const size_t n = indices->size();
+  if (n == 0) {  // every stage of this pp group has the same empty shard
+    s.model.ZeroGrads();
+    if (on_ready) on_ready(0);
+    return share;
+  }
+  const int stages = static_cast<int>(plan.stages), stage = static_cast<int>(plan.stage);
+  const bool last = s.model.last_stage();
+  const size_t T = s.dataset.context();
+  const int micro = static_cast<int>(std::min<size_t>(static_cast<size_t>(s.accumulation), n));
+  std::vector<int> counts(static_cast<size_t>(micro));
+  s.micro_tokens.resize(static_cast<size_t>(micro));
+  s.micro_targets.resize(static_cast<size_t>(micro));
+  size_t begin = 0;
+  for (int m = 0; m < micro; ++m) {
+    const size_t count = n / static_cast<size_t>(micro) + (static_cast<size_t>(m) < n % static_cast<size_t>(micro));
+    counts[static_cast<size_t>(m)] = static_cast<int>(count);
+    auto& tokens = s.micro_tokens[static_cast<size_t>(m)];
+    auto& targets = s.micro_targets[static_cast<size_t>(m)];
+    tokens.resize(count * T);
+    targets.resize(count * T);
+    for (size_t b = 0; b < count; ++b) {
+      const data::Sample sample = s.dataset.Get((*indices)[begin + b]);
+      std::memcpy(tokens.data() + b * T, sample.inputs.data(), T);
+      std::memcpy(targets.data() + b * T, sample.targets.data(), T);
+    }
+    begin += count;
+  }
+  const int slots = SlotsNeeded(schedule, stages, stage, micro);
+  if (s.model.slots() != slots) s.model.SetSlots(slots);
+  const auto weight = [&](int m) {
+    return static_cast<double>(counts[static_cast<size_t>(m)]) / static_cast<double>(*batch);
+  };
+  StageCompute compute;
+  compute.forward = [&](int m, const float* input) -> Result<std::span<const float>> {
+    const auto i = static_cast<size_t>(m);
+    auto loss = s.model.Forward(s.micro_tokens[i].data(), s.micro_targets[i].data(), counts[i], m % slots, input);
+    if (!loss.ok()) return loss.status();
+    if (last) {
+      share.loss_share += *loss * weight(m);
+      return std::span<const float>();
+    }
+    return s.model.output(m % slots);
+  };
+  compute.backward = [&](int m, const float* output_grad) -> Result<std::span<const float>> {
+    TANDEM_RETURN_IF_ERROR(s.model.Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
+                                            static_cast<float>(weight(m)), m + 1 == micro ? on_ready : nullptr,
+                                            m % slots, output_grad));
+    if (s.model.first_stage()) return std::span<const float>();
+    return s.model.input_grad(m % slots);
+  };
+  const size_t elements = static_cast<size_t>(*std::max_element(counts.begin(), counts.end())) * T *
+                          static_cast<size_t>(s.model.config().d_model);
+  auto ran = RunPipeline(*plan.pipeline, BuildSchedule(schedule, stages, stage, micro), elements, compute);
+  if (!ran.ok()) return ran.status();
+  *timing = *ran;
+  if (last) {
+    share.samples = n;
+    share.tokens = n * T;
+  }
+  return share;
+}
+
+// The model as the runtime binds it to pipeline stages: `s.model` becomes
+// the stage asked for (the whole model for one stage).
+ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
+  ModelBinding b;
+  b.tensors = s.model.Tensors();  // s.model is the whole model here
+  b.bounds = [whole](int stages) -> Result<std::vector<size_t>> {
+    model::ModelConfig c = whole;
+    c.pipeline_stages = stages;
+    TANDEM_RETURN_IF_ERROR(c.Validate().WithContext(fmt::format("splitting the model into pp={} stages", stages)));
+    std::vector<size_t> bounds;
+    for (const auto& stage : model::PlanStages(c)) bounds.push_back(stage.flat_begin);
+    bounds.push_back(model::PlanStages(c).back().flat_end);
+    return bounds;
+  };
+  b.bind = [&s, whole](int stage, int stages) -> Result<StageBuffers> {
+    if (s.model.config().pipeline_stages != stages || s.model.config().pipeline_stage != stage) {
+      model::ModelConfig c = whole;
+      c.pipeline_stages = stages;
+      c.pipeline_stage = stage;
+      auto m = model::Model::Create(c);
+      if (!m.ok()) return m.status();
+      s.model = std::move(*m);
+      if (stages > 1) {
+        spdlog::info("pipeline stage {} of {}: blocks {}..{}{}{}, {} parameters", stage, stages,
+                     s.model.stage().first_block, s.model.stage().end_block - 1,
+                     s.model.first_stage() ? ", embeddings" : "", s.model.last_stage() ? ", head" : "",
+                     s.model.num_parameters());
+      }
+    }
+    return StageBuffers{s.model.params(), s.model.grads(), s.model.Tensors(), s.model.flat_begin()};
+  };
+  b.initial = [whole](uint64_t begin, uint64_t end, float* out) { model::InitialValues(whole, begin, end, out); };
+  return b;
+}
+
+// The whole model's parameters on global rank 0 (stage 0, dp rank 0) from
+// the dp-rank-0 worker of every stage; empty on the other ranks.
+Result<std::vector<float>> GatherStages(Setup& s, const StepPlan& plan, const model::ModelConfig& whole) {
+  std::vector<float> all;
+  if (plan.dp_rank != 0) return all;
+  comm::Communicator& pp = *plan.pipeline;
+  if (plan.stage != 0) {
+    TANDEM_RETURN_IF_ERROR(pp.Send(0, s.model.params().data(), s.model.num_parameters(), comm::DType::kFloat32)
+                               .WithContext("sending this stage's final parameters to stage 0"));
+    return all;
+  }
+  model::ModelConfig c = whole;
+  c.pipeline_stages = static_cast<int>(plan.stages);
+  const auto stages = model::PlanStages(c);
+  all.resize(stages.back().flat_end);
+  std::memcpy(all.data(), s.model.params().data(), s.model.num_parameters() * sizeof(float));
+  for (size_t i = 1; i < stages.size(); ++i) {
+    TANDEM_RETURN_IF_ERROR(pp.Recv(static_cast<int>(i), all.data() + stages[i].flat_begin,
+                                   stages[i].flat_end - stages[i].flat_begin, comm::DType::kFloat32)
+                               .WithContext(fmt::format("receiving stage {}'s final parameters", i)));
+  }
+  return all;
 }
 
 Status WriteParams(const std::string& path, std::span<const float> params) {
@@ -247,6 +386,9 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
   o.Int("train.global_batch", &c->global_batch, "sequences per step over all data-parallel ranks", 1, 1 << 20);
   o.Int("train.accumulation", &c->accumulation, "micro-batches per rank and step, summed without communication", 1,
         1 << 16);
+  o.Choice("train.pipeline_schedule", &c->pipeline_schedule, {"gpipe", "1f1b"},
+           "with pp > 1: all forwards then all backwards (gpipe), or one forward one backward (1f1b: a stage keeps "
+           "at most pp - stage micro-batches' activations)");
   o.Int("train.context", &c->context, "tokens (bytes) per sequence", 1, 1 << 16);
   o.Int("train.d_model", &c->d_model, "width of the model", 1, 1 << 16);
   o.Int("train.heads", &c->heads, "attention heads (divides d_model)", 1, 1 << 10);
@@ -298,6 +440,8 @@ std::vector<std::string> TrainFlags(const TrainConfig& c) {
                                 std::to_string(c.global_batch),
                                 "--train-accumulation",
                                 std::to_string(c.accumulation),
+                                "--train-pipeline-schedule",
+                                c.pipeline_schedule,
                                 "--train-context",
                                 std::to_string(c.context),
                                 "--train-d-model",
@@ -419,10 +563,12 @@ std::string ToJson(const StepRecord& r) {
   return fmt::format(
       "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
       "\"compute_seconds\":{:.6f},\"comm_seconds\":{:.6f},\"exposed_seconds\":{:.6f},\"world_size\":{},\"rank\":{},"
-      "\"retries\":{},\"resynced\":{},\"time\":{:.3f}}}",
+      "\"retries\":{},\"resynced\":{}{},\"time\":{:.3f}}}",
       r.step, r.epoch, std::isfinite(r.loss) ? fmt::format("{:.6f}", r.loss) : "null", r.tokens,
       r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0.0, r.step_seconds, r.compute_seconds,
-      r.comm_seconds, r.exposed_seconds, r.world_size, r.rank, r.retries, r.resynced ? "true" : "false", unix_seconds);
+      r.comm_seconds, r.exposed_seconds, r.world_size, r.rank, r.retries, r.resynced ? "true" : "false",
+      r.pipeline_idle.empty() ? "" : fmt::format(",\"pipeline_idle\":[{:.4f}]", fmt::join(r.pipeline_idle, ",")),
+      unix_seconds);
 }
 
 Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
@@ -430,8 +576,12 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   if (!setup.ok()) return setup.status();
   auto options = RuntimeOptionsOf(config);
   if (!options.ok()) return options.status();
+  auto schedule = ParseSchedule(config.pipeline_schedule);
+  if (!schedule.ok()) return schedule.status().WithContext("train.pipeline_schedule");
+  auto whole = ModelConfigOf(config);
+  if (!whole.ok()) return whole.status();
   Runtime runtime(*options, plane);
-  TANDEM_RETURN_IF_ERROR(runtime.Attach(setup->model.params(), setup->model.grads(), setup->model.Tensors()));
+  TANDEM_RETURN_IF_ERROR(runtime.AttachModel(BindingOf(*setup, *whole)));
   std::unique_ptr<TrainMetrics> metrics;
   if (hooks.registry != nullptr) metrics = std::make_unique<TrainMetrics>(*hooks.registry);
   std::FILE* progress = nullptr;
@@ -472,6 +622,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   uint64_t completed_step = 0;  // by this worker's knowledge
   uint64_t attempted_step = 0;
   uint64_t attempted_epoch = 0;
+  StepPlan last_plan;
   while (true) {
     if (stopping()) {
       close_progress();
@@ -499,18 +650,39 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       report(record);
     }
     completed_step = plan->step - 1;
+    last_plan = *plan;
     if (plan->step > static_cast<uint64_t>(config.steps)) break;
     attempted_step = plan->step;
     attempted_epoch = plan->epoch;
     const auto t0 = Clock::now();
-    auto share = ComputeShare(*setup, plan->step, plan->dp_rank, plan->dp_size,
-                              [&runtime](size_t from) { runtime.GradientsReady(from); });
+    const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
+    PipelineTiming timing;
+    auto share = plan->stages > 1 ? ComputePipelineShare(*setup, *plan, *schedule, ready, &timing)
+                                  : ComputeShare(*setup, plan->step, plan->dp_rank, plan->dp_size, ready);
+    std::vector<double> idle;
+    if (share.ok() && plan->stages > 1) {
+      // Every stage's idle fraction, for the progress record.
+      std::vector<float> mine = {static_cast<float>(timing.idle_fraction())};
+      std::vector<float> all(plan->stages);
+      Status gathered = plan->pipeline->AllGather(mine.data(), all.data(), 1, comm::DType::kFloat32);
+      if (!gathered.ok()) share = gathered.WithContext("gathering the stages' idle fractions");
+      idle.assign(all.begin(), all.end());
+    }
     if (!share.ok()) {
+      if (plan->stages > 1 && !runtime.Fatal(share.status())) {
+        // A pipeline peer failed: the step is retried in the next epoch.
+        ++retries;
+        if (metrics) metrics->failures.Increment();
+        spdlog::warn("step {} failed in epoch {} and will be retried after a resync: {}", plan->step, plan->epoch,
+                     share.status().ToString());
+        runtime.AbandonStep(share.status());
+        continue;
+      }
       close_progress();
       return share.status().WithContext(fmt::format("step {}", plan->step));
     }
     const auto t1 = Clock::now();
-    if (sample_log != nullptr) {
+    if (sample_log != nullptr && setup->model.first_stage()) {
       // Before the gradients leave: a step cannot complete without this line.
       std::fprintf(sample_log, "%s\n",
                    fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
@@ -542,6 +714,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     record.rank = plan->rank;
     record.retries = retries;
     record.resynced = plan->resynced;
+    record.pipeline_idle = std::move(idle);
     retries = 0;
     completed_step = record.step;
     if (metrics) {
@@ -562,7 +735,11 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   }
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());
-  if (!config.params_out.empty() && rank == 0) {
+  if (!config.params_out.empty() && last_plan.stages > 1) {
+    auto all = GatherStages(*setup, last_plan, *whole);
+    if (!all.ok()) return all.status();
+    if (rank == 0) TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, *all));
+  } else if (!config.params_out.empty() && rank == 0) {
     TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model.params()));
   }
   return Status::Ok();

@@ -3,6 +3,14 @@
 // (worker/runtime/runtime.h) or, for comparison, in one process with no
 // cluster at all (TrainLocally). docs/training.md describes both.
 //
+// Pipeline parallelism: with a mesh of pp > 1 stages, each worker builds its
+// stage of the model (model::PlanStages) and the `accumulation` micro-batches
+// of its data-parallel shard run through the pp group on the
+// train.pipeline_schedule (worker/runtime/pipeline.h); every stage reads the
+// same samples (the first uses the tokens, the last the targets). Only the
+// last stage has a loss, and only the first stage writes the sample log. The
+// final parameters are gathered on global rank 0 (stage 0) for params_out.
+//
 // One step at global batch B over P data-parallel ranks: the sampler gives
 // this rank its contiguous shard of the batch at the step's cursor (a pure
 // function of the step, so a retried or resumed step trains on the same
@@ -40,7 +48,8 @@ struct TrainConfig {
   std::string data;  // a text file; empty: the built-in corpus
   int64_t seed = 1;  // model initialisation and data order
   int64_t global_batch = 16;
-  int64_t accumulation = 1;
+  int64_t accumulation = 1;                // micro-batches per rank and step (the pipeline's micro-batches when pp > 1)
+  std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b, when the mesh has pp > 1
   // The model.
   int64_t context = 64;
   int64_t d_model = 128;
@@ -92,6 +101,9 @@ struct StepRecord {
   uint32_t rank = 0;
   uint64_t retries = 0;  // failed attempts before this step completed
   bool resynced = false;
+  // Pipeline parallelism (pp > 1): each stage's idle fraction of its
+  // schedule (wall time not spent in forward or backward), by stage.
+  std::vector<double> pipeline_idle;
 };
 // The record as one JSON line (no newline).
 std::string ToJson(const StepRecord& record);
