@@ -19,6 +19,7 @@
 #include "cli/node_network.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
+#include "common/proc_stat.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 #include "tandem/v1/server.grpc.pb.h"
 #include "worker/model/model.h"
@@ -441,6 +442,13 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       summary.server_steps_detail = detail.empty() ? "no server answered" : detail;
     }
   }
+  for (const auto& m : members) {
+    if (!m.worker || m.exited || m.killed) continue;
+    if (auto peak = ReadPeakResidentBytes(m.daemon.process->pid())) {
+      summary.worker_peak_rss_bytes[m.daemon.name] = *peak;
+      summary.peak_rss_bytes = std::max(summary.peak_rss_bytes, *peak);
+    }
+  }
   print(fmt::format("Stopping {} processes ...\n", members.size()));
   const std::string unclean = stop_all();
   if (!unclean.empty()) {
@@ -518,6 +526,10 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
 }
 
 std::string SummaryJson(const RunSummary& s) {
+  std::string peaks;
+  for (const auto& [name, bytes] : s.worker_peak_rss_bytes) {
+    peaks += fmt::format("{}{}: {}", peaks.empty() ? "" : ", ", JsonQuote(name), bytes);
+  }
   std::string idle;
   for (size_t i = 0; i < s.pipeline_idle.size(); ++i) idle += (i ? "," : "") + JsonNumber(s.pipeline_idle[i], 4);
   std::string losses;
@@ -530,14 +542,16 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"workers_added\": {},\n  \"server_steps_applied\": {},\n  \"step_seconds_median\": {},\n"
       "  \"compute_seconds_median\": {},\n  \"exposed_comm_fraction\": {},\n  \"network\": {},\n"
       "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"pipeline_stages\": {},\n"
-      "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"losses\": [{}]\n}}\n",
+      "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
+      "{},\n"
+      "  \"worker_peak_rss_bytes\": {{{}}},\n  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
       JsonNumber(s.compute_seconds_median, 6), JsonNumber(s.exposed_fraction, 4), JsonQuote(s.network),
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
       s.pipeline_stages, s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle,
-      JsonNumber(s.analytic_bubble, 4), losses);
+      JsonNumber(s.analytic_bubble, 4), s.peak_rss_bytes, peaks, losses);
 }
 
 }  // namespace tandem::cli

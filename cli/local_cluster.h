@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -70,6 +71,10 @@ struct RunSummary {
   // Pipeline parallelism: stages, and each stage's idle fraction over
   // steps 2..N (mean of the per-step fractions) beside the analytic bubble
   // (stages - 1) / (micro-batches + stages - 1).
+  // The largest peak resident memory (VmHWM) of a worker that ran to the
+  // end, and each one's (by worker name), read just before they stop.
+  uint64_t peak_rss_bytes = 0;
+  std::map<std::string, uint64_t> worker_peak_rss_bytes;
   uint32_t pipeline_stages = 1;
   std::string pipeline_schedule;
   std::vector<double> pipeline_idle;

@@ -60,7 +60,8 @@ int RunCommand(int argc, char** argv) {
   options.SetEpilog(
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
       "The summary has the keys steps, first_loss, last_loss, tokens_per_second, mode, world_size, epochs,\n"
-      "faults, server_steps_applied, and with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
+      "faults, server_steps_applied, peak_rss_bytes (the largest worker's peak resident memory),\n"
+      "worker_peak_rss_bytes, and with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
       "(docs/training.md).");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
 
@@ -77,6 +78,9 @@ int RunCommand(int argc, char** argv) {
       s.tokens_per_second, s.step_seconds_median * 1e3, s.exposed_fraction * 100);
   fmt::print("  membership epochs {}, faults injected {}, workers added {}, final world size {}\n", s.epochs, s.faults,
              s.workers_added, s.world_size);
+  if (s.peak_rss_bytes > 0) {
+    fmt::print("  peak resident memory of a worker: {:.1f} MiB\n", static_cast<double>(s.peak_rss_bytes) / (1 << 20));
+  }
   if (s.pipeline_stages > 1) {
     std::string idle;
     for (size_t i = 0; i < s.pipeline_idle.size(); ++i) {

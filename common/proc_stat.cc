@@ -31,6 +31,17 @@ double BootTime() {
 
 }  // namespace
 
+std::optional<uint64_t> ReadPeakResidentBytes(pid_t pid) {
+  std::ifstream file(pid == 0 ? std::string("/proc/self/status") : "/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(file, line);) {
+    if (!line.starts_with("VmHWM:")) continue;
+    std::istringstream fields(line.substr(6));
+    uint64_t kib = 0;
+    if (fields >> kib) return kib * 1024;  // the kernel writes "VmHWM:   1234 kB"
+  }
+  return std::nullopt;
+}
+
 std::optional<ProcStat> ReadProcStat(pid_t pid) {
   std::ifstream file(pid == 0 ? std::string("/proc/self/stat") : "/proc/" + std::to_string(pid) + "/stat");
   const std::string stat((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());

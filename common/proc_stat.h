@@ -26,6 +26,10 @@ struct ProcStat {
 // `pid` 0 means this process. Empty if the process is gone or /proc is unreadable.
 std::optional<ProcStat> ReadProcStat(pid_t pid = 0);
 
+// The most resident memory `pid` (0: this process) has had so far, in bytes
+// (VmHWM of /proc/<pid>/status). Empty if the process is gone.
+std::optional<uint64_t> ReadPeakResidentBytes(pid_t pid = 0);
+
 // Why process `pid`, started at `start_ticks` (0: unknown), is no longer
 // running: "exited", "was killed or exited (zombie)", "exited (the pid now
 // belongs to another process)"; empty while it runs. A killed child its

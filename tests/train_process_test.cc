@@ -203,6 +203,9 @@ TEST(TrainProcessTest, PipelineParallelRunsEqualOneProcess) {
   EXPECT_EQ(exact.summary["pipeline_idle"].size(), 2u);
   EXPECT_NEAR(exact.summary["analytic_bubble"].as<double>(), 0.2, 1e-9);  // (2 - 1) / (4 + 2 - 1)
   EXPECT_EQ(exact.summary["server_steps_applied"].as<int>(), 12) << exact.output;
+  // Each worker's peak memory, read from /proc before it stopped.
+  EXPECT_EQ(exact.summary["worker_peak_rss_bytes"].size(), 2u);
+  EXPECT_GT(exact.summary["peak_rss_bytes"].as<uint64_t>(), uint64_t{1} << 20);
   ASSERT_EQ(exact.params.size(), local.params.size());
   EXPECT_EQ(std::memcmp(exact.params.data(), local.params.data(), local.params.size() * sizeof(float)), 0);
   ExpectSameTraining(local, exact, "adamw");

@@ -37,9 +37,11 @@ Result<v1::WireDType> ParseWire(const std::string& name, const char* key) {
 // What training needs besides the runtime: the model, the data and the
 // sampler, and the cursor of the step being trained.
 struct Setup {
-  Setup(model::Model m, data::TextDataset d, data::DistributedSampler s)
+  Setup(std::unique_ptr<model::Model> m, data::TextDataset d, data::DistributedSampler s)
       : model(std::move(m)), dataset(std::move(d)), sampler(std::move(s)) {}
-  model::Model model;
+  // Training in a cluster: made when the runtime binds the first epoch's
+  // pipeline stage (the whole model never exists when there are stages).
+  std::unique_ptr<model::Model> model;
   data::TextDataset dataset;
   data::DistributedSampler sampler;
   uint64_t global_batch = 0;
@@ -52,18 +54,23 @@ struct Setup {
   std::vector<std::vector<uint8_t>> micro_tokens, micro_targets;
 };
 
-Result<Setup> Prepare(const TrainConfig& config) {
+// With `create_model` false, setup.model stays null until a stage is bound.
+Result<Setup> Prepare(const TrainConfig& config, bool create_model) {
   auto model_config = ModelConfigOf(config);
   if (!model_config.ok()) return model_config.status();
-  auto model = model::Model::Create(*model_config);
-  if (!model.ok()) return model.status().WithContext("model");
+  std::unique_ptr<model::Model> model;
+  if (create_model) {
+    auto created = model::Model::Create(*model_config);
+    if (!created.ok()) return created.status().WithContext("model");
+    model = std::make_unique<model::Model>(std::move(*created));
+  }
   const auto context = static_cast<size_t>(config.context);
   auto dataset =
       config.data.empty() ? data::TextDataset::Default(context) : data::TextDataset::Open(config.data, context);
   if (!dataset.ok()) return dataset.status().WithContext("train.data");
   auto sampler = data::DistributedSampler::Create(dataset->size(), static_cast<uint64_t>(config.seed));
   if (!sampler.ok()) return sampler.status();
-  Setup setup(std::move(*model), std::move(*dataset), std::move(*sampler));
+  Setup setup(std::move(model), std::move(*dataset), std::move(*sampler));
   setup.global_batch = static_cast<uint64_t>(config.global_batch);
   setup.accumulation = static_cast<int>(config.accumulation);
   return setup;
@@ -108,7 +115,7 @@ Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t d
   share.indices = *indices;
   const size_t n = indices->size();
   if (n == 0) {  // more ranks than samples in this batch: contribute zeros
-    s.model.ZeroGrads();
+    s.model->ZeroGrads();
     if (on_ready) on_ready(0);
     return share;
   }
@@ -124,13 +131,13 @@ Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t d
       std::memcpy(s.tokens.data() + b * T, sample.inputs.data(), T);
       std::memcpy(s.targets.data() + b * T, sample.targets.data(), T);
     }
-    auto loss = s.model.Forward(s.tokens.data(), s.targets.data(), static_cast<int>(count));
+    auto loss = s.model->Forward(s.tokens.data(), s.targets.data(), static_cast<int>(count));
     if (!loss.ok()) return loss.status();
     const double weight = static_cast<double>(count) / static_cast<double>(*batch);
     share.loss_share += *loss * weight;
     const bool last = m + 1 == micro;
-    TANDEM_RETURN_IF_ERROR(s.model.Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
-                                            static_cast<float>(weight), last ? on_ready : nullptr));
+    TANDEM_RETURN_IF_ERROR(s.model->Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
+                                             static_cast<float>(weight), last ? on_ready : nullptr));
     begin += count;
   }
   share.samples = n;
@@ -154,12 +161,12 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
   share.indices = *indices;
   const size_t n = indices->size();
   if (n == 0) {  // every stage of this pp group has the same empty shard
-    s.model.ZeroGrads();
+    s.model->ZeroGrads();
     if (on_ready) on_ready(0);
     return share;
   }
   const int stages = static_cast<int>(plan.stages), stage = static_cast<int>(plan.stage);
-  const bool last = s.model.last_stage();
+  const bool last = s.model->last_stage();
   const size_t T = s.dataset.context();
   const int micro = static_cast<int>(std::min<size_t>(static_cast<size_t>(s.accumulation), n));
   std::vector<int> counts(static_cast<size_t>(micro));
@@ -181,30 +188,30 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
     begin += count;
   }
   const int slots = SlotsNeeded(schedule, stages, stage, micro);
-  if (s.model.slots() != slots) s.model.SetSlots(slots);
+  if (s.model->slots() != slots) s.model->SetSlots(slots);
   const auto weight = [&](int m) {
     return static_cast<double>(counts[static_cast<size_t>(m)]) / static_cast<double>(*batch);
   };
   StageCompute compute;
   compute.forward = [&](int m, const float* input) -> Result<std::span<const float>> {
     const auto i = static_cast<size_t>(m);
-    auto loss = s.model.Forward(s.micro_tokens[i].data(), s.micro_targets[i].data(), counts[i], m % slots, input);
+    auto loss = s.model->Forward(s.micro_tokens[i].data(), s.micro_targets[i].data(), counts[i], m % slots, input);
     if (!loss.ok()) return loss.status();
     if (last) {
       share.loss_share += *loss * weight(m);
       return std::span<const float>();
     }
-    return s.model.output(m % slots);
+    return s.model->output(m % slots);
   };
   compute.backward = [&](int m, const float* output_grad) -> Result<std::span<const float>> {
-    TANDEM_RETURN_IF_ERROR(s.model.Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
-                                            static_cast<float>(weight(m)), m + 1 == micro ? on_ready : nullptr,
-                                            m % slots, output_grad));
-    if (s.model.first_stage()) return std::span<const float>();
-    return s.model.input_grad(m % slots);
+    TANDEM_RETURN_IF_ERROR(s.model->Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
+                                             static_cast<float>(weight(m)), m + 1 == micro ? on_ready : nullptr,
+                                             m % slots, output_grad));
+    if (s.model->first_stage()) return std::span<const float>();
+    return s.model->input_grad(m % slots);
   };
   const size_t elements = static_cast<size_t>(*std::max_element(counts.begin(), counts.end())) * T *
-                          static_cast<size_t>(s.model.config().d_model);
+                          static_cast<size_t>(s.model->config().d_model);
   auto ran = RunPipeline(*plan.pipeline, BuildSchedule(schedule, stages, stage, micro), elements, compute);
   if (!ran.ok()) return ran.status();
   *timing = *ran;
@@ -219,7 +226,14 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
 // the stage asked for (the whole model for one stage).
 ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
   ModelBinding b;
-  b.tensors = s.model.Tensors();  // s.model is the whole model here
+  for (const model::TensorInfo& t : model::TensorLayout(whole)) {
+    v1::TensorSpec& spec = b.tensors.emplace_back();
+    spec.set_name(t.name);
+    for (int64_t d : t.shape) spec.add_shape(d);
+    spec.set_dtype(v1::DTYPE_FLOAT32);
+    spec.set_group(t.no_decay ? "no_decay" : "");
+    spec.set_flat_offset(t.offset);
+  }
   b.bounds = [whole](int stages) -> Result<std::vector<size_t>> {
     model::ModelConfig c = whole;
     c.pipeline_stages = stages;
@@ -230,62 +244,84 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
     return bounds;
   };
   b.bind = [&s, whole](int stage, int stages) -> Result<StageBuffers> {
-    if (s.model.config().pipeline_stages != stages || s.model.config().pipeline_stage != stage) {
+    if (!s.model || s.model->config().pipeline_stages != stages || s.model->config().pipeline_stage != stage) {
       model::ModelConfig c = whole;
       c.pipeline_stages = stages;
       c.pipeline_stage = stage;
+      s.model.reset();  // the old stage goes before the new one is made
       auto m = model::Model::Create(c);
       if (!m.ok()) return m.status();
-      s.model = std::move(*m);
+      s.model = std::make_unique<model::Model>(std::move(*m));
       if (stages > 1) {
         spdlog::info("pipeline stage {} of {}: blocks {}..{}{}{}, {} parameters", stage, stages,
-                     s.model.stage().first_block, s.model.stage().end_block - 1,
-                     s.model.first_stage() ? ", embeddings" : "", s.model.last_stage() ? ", head" : "",
-                     s.model.num_parameters());
+                     s.model->stage().first_block, s.model->stage().end_block - 1,
+                     s.model->first_stage() ? ", embeddings" : "", s.model->last_stage() ? ", head" : "",
+                     s.model->num_parameters());
       }
     }
-    return StageBuffers{s.model.params(), s.model.grads(), s.model.Tensors(), s.model.flat_begin()};
+    return StageBuffers{s.model->params(), s.model->grads(), s.model->Tensors(), s.model->flat_begin()};
   };
   b.initial = [whole](uint64_t begin, uint64_t end, float* out) { model::InitialValues(whole, begin, end, out); };
   return b;
 }
 
-// The whole model's parameters on global rank 0 (stage 0, dp rank 0) from
-// the dp-rank-0 worker of every stage; empty on the other ranks.
-Result<std::vector<float>> GatherStages(Setup& s, const StepPlan& plan, const model::ModelConfig& whole) {
-  std::vector<float> all;
-  if (plan.dp_rank != 0) return all;
-  comm::Communicator& pp = *plan.pipeline;
-  if (plan.stage != 0) {
-    TANDEM_RETURN_IF_ERROR(pp.Send(0, s.model.params().data(), s.model.num_parameters(), comm::DType::kFloat32)
-                               .WithContext("sending this stage's final parameters to stage 0"));
-    return all;
-  }
-  model::ModelConfig c = whole;
-  c.pipeline_stages = static_cast<int>(plan.stages);
-  const auto stages = model::PlanStages(c);
-  all.resize(stages.back().flat_end);
-  std::memcpy(all.data(), s.model.params().data(), s.model.num_parameters() * sizeof(float));
-  for (size_t i = 1; i < stages.size(); ++i) {
-    TANDEM_RETURN_IF_ERROR(pp.Recv(static_cast<int>(i), all.data() + stages[i].flat_begin,
-                                   stages[i].flat_end - stages[i].flat_begin, comm::DType::kFloat32)
-                               .WithContext(fmt::format("receiving stage {}'s final parameters", i)));
-  }
-  return all;
-}
-
-Status WriteParams(const std::string& path, std::span<const float> params) {
+// Writes train.params_out through a temporary file: `pieces` calls `write`
+// for each run of parameters, in order.
+using ParamWriter = std::function<Status(std::span<const float>)>;
+Status WriteParamsFrom(const std::string& path, const std::function<Status(const ParamWriter&)>& pieces) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) return Unavailable("train.params_out: cannot write '{}': {}", tmp, std::strerror(errno));
-    out.write(reinterpret_cast<const char*>(params.data()), static_cast<std::streamsize>(params.size_bytes()));
-    if (!out) return Unavailable("train.params_out: writing '{}' failed: {}", tmp, std::strerror(errno));
+    TANDEM_RETURN_IF_ERROR(pieces([&](std::span<const float> params) -> Status {
+      out.write(reinterpret_cast<const char*>(params.data()), static_cast<std::streamsize>(params.size_bytes()));
+      if (!out) return Unavailable("train.params_out: writing '{}' failed: {}", tmp, std::strerror(errno));
+      return Status::Ok();
+    }));
   }
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) return Unavailable("train.params_out: cannot rename '{}' to '{}': {}", tmp, path, ec.message());
   return Status::Ok();
+}
+
+Status WriteParams(const std::string& path, std::span<const float> params) {
+  return WriteParamsFrom(path, [&](const ParamWriter& write) { return write(params); });
+}
+
+// The whole model into train.params_out on global rank 0 (stage 0, dp rank
+// 0), which writes its stage and then each other stage as the dp-rank-0
+// worker of that stage sends it, in pieces of 4 MiB: rank 0 never holds more
+// than its stage and one piece.
+Status WriteStages(Setup& s, const StepPlan& plan, const model::ModelConfig& whole, const std::string& path) {
+  if (plan.dp_rank != 0) return Status::Ok();
+  constexpr size_t kPiece = size_t{1} << 20;  // floats
+  comm::Communicator& pp = *plan.pipeline;
+  if (plan.stage != 0) {
+    const auto params = s.model->params();
+    for (size_t at = 0; at < params.size(); at += kPiece) {
+      TANDEM_RETURN_IF_ERROR(pp.Send(0, params.data() + at, std::min(kPiece, params.size() - at), comm::DType::kFloat32)
+                                 .WithContext("sending this stage's final parameters to stage 0"));
+    }
+    return Status::Ok();
+  }
+  model::ModelConfig c = whole;
+  c.pipeline_stages = static_cast<int>(plan.stages);
+  const auto stages = model::PlanStages(c);
+  std::vector<float> piece;
+  return WriteParamsFrom(path, [&](const ParamWriter& write) -> Status {
+    TANDEM_RETURN_IF_ERROR(write(s.model->params()));
+    for (size_t i = 1; i < stages.size(); ++i) {
+      const size_t n = stages[i].flat_end - stages[i].flat_begin;
+      for (size_t at = 0; at < n; at += kPiece) {
+        piece.resize(std::min(kPiece, n - at));
+        TANDEM_RETURN_IF_ERROR(pp.Recv(static_cast<int>(i), piece.data(), piece.size(), comm::DType::kFloat32)
+                                   .WithContext(fmt::format("receiving stage {}'s final parameters", i)));
+        TANDEM_RETURN_IF_ERROR(write(piece));
+      }
+    }
+    return Status::Ok();
+  });
 }
 
 struct TrainMetrics {
@@ -572,7 +608,7 @@ std::string ToJson(const StepRecord& r) {
 }
 
 Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
-  auto setup = Prepare(config);
+  auto setup = Prepare(config, /*create_model=*/false);
   if (!setup.ok()) return setup.status();
   auto options = RuntimeOptionsOf(config);
   if (!options.ok()) return options.status();
@@ -605,9 +641,11 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     progress = nullptr;
     sample_log = nullptr;
   };
+  size_t parameters = 0;
+  for (const auto& t : model::TensorLayout(*whole)) parameters += t.size;
   spdlog::info("training: {} steps of a {}-parameter model on {} ({} samples of {} bytes), global batch {}, {} mode",
-               config.steps, setup->model.num_parameters(), setup->dataset.name(), setup->dataset.size(),
-               config.context, config.global_batch, config.mode);
+               config.steps, parameters, setup->dataset.name(), setup->dataset.size(), config.context,
+               config.global_batch, config.mode);
   const auto stopping = [&] { return hooks.stopping && hooks.stopping(); };
   // A completed step, to the caller and (global rank 0) to the progress file.
   const auto report = [&](const StepRecord& record) {
@@ -682,7 +720,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       return share.status().WithContext(fmt::format("step {}", plan->step));
     }
     const auto t1 = Clock::now();
-    if (sample_log != nullptr && setup->model.first_stage()) {
+    if (sample_log != nullptr && setup->model->first_stage()) {
       // Before the gradients leave: a step cannot complete without this line.
       std::fprintf(sample_log, "%s\n",
                    fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
@@ -736,31 +774,29 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());
   if (!config.params_out.empty() && last_plan.stages > 1) {
-    auto all = GatherStages(*setup, last_plan, *whole);
-    if (!all.ok()) return all.status();
-    if (rank == 0) TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, *all));
+    TANDEM_RETURN_IF_ERROR(WriteStages(*setup, last_plan, *whole, config.params_out));
   } else if (!config.params_out.empty() && rank == 0) {
-    TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model.params()));
+    TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model->params()));
   }
   return Status::Ok();
 }
 
 Status TrainLocally(const TrainConfig& config, const std::function<void(const StepRecord&)>& on_step,
                     std::vector<float>* final_params) {
-  auto setup = Prepare(config);
+  auto setup = Prepare(config, /*create_model=*/true);
   if (!setup.ok()) return setup.status();
   auto optimizer_config = OptimizerConfigOf(config);
   if (!optimizer_config.ok()) return optimizer_config.status();
-  auto optimizer = LocalOptimizer::Create(*optimizer_config, setup->model.num_parameters());
+  auto optimizer = LocalOptimizer::Create(*optimizer_config, setup->model->num_parameters());
   if (!optimizer.ok()) return optimizer.status();
-  const auto tensors = setup->model.Tensors();
+  const auto tensors = setup->model->Tensors();
   for (uint64_t step = 1; step <= static_cast<uint64_t>(config.steps); ++step) {
     const auto t0 = Clock::now();
     auto share = ComputeShare(*setup, step, 0, 1, nullptr);
     if (!share.ok()) return share.status().WithContext(fmt::format("step {}", step));
     const auto t1 = Clock::now();
     bool skipped = false;
-    TANDEM_RETURN_IF_ERROR((*optimizer)->Step(setup->model.params(), setup->model.grads(), tensors, &skipped));
+    TANDEM_RETURN_IF_ERROR((*optimizer)->Step(setup->model->params(), setup->model->grads(), tensors, &skipped));
     StepRecord record;
     record.step = step;
     record.loss = share->loss_share;
@@ -769,8 +805,8 @@ Status TrainLocally(const TrainConfig& config, const std::function<void(const St
     record.compute_seconds = Seconds(t1 - t0);
     if (on_step) on_step(record);
   }
-  if (final_params != nullptr) final_params->assign(setup->model.params().begin(), setup->model.params().end());
-  if (!config.params_out.empty()) TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model.params()));
+  if (final_params != nullptr) final_params->assign(setup->model->params().begin(), setup->model->params().end());
+  if (!config.params_out.empty()) TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model->params()));
   return Status::Ok();
 }
 
