@@ -553,9 +553,73 @@ TEST(ModelTest, InitialValuesOfAnyRangeAreTheModelsOwn) {
            {0, n}, {0, 1}, {n - 1, n}, {5, 5}, {100, 4097}, {n / 3, 2 * n / 3}, {1234, 1235}}) {
     std::vector<float> out(end - begin, -1.0f);
     InitialValues(c, begin, end, out.data());
-    EXPECT_EQ(std::memcmp(out.data(), params.data() + begin, out.size() * sizeof(float)), 0)
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), params.begin() + static_cast<std::ptrdiff_t>(begin)))
         << "[" << begin << ", " << end << ")";
   }
+  // A stream over ranges in ascending order, then one behind it.
+  InitialValueStream stream(c);
+  for (const auto& [begin, end] : std::vector<std::pair<size_t, size_t>>{
+           {0, 7}, {7, 100}, {300, 4000}, {4000, 4001}, {n - 10, n}, {50, 60}, {60, n}}) {
+    std::vector<float> out(end - begin, -1.0f);
+    stream.Fill(begin, end, out.data());
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), params.begin() + static_cast<std::ptrdiff_t>(begin)))
+        << "stream [" << begin << ", " << end << ")";
+  }
+}
+
+// On-demand parameters: a model whose parameters are all handed back
+// (zeros) and brought in segment by segment through ParameterAccess, each
+// released after use, computes the same loss and gradients bit for bit; the
+// passes ask for the segments in order (forward: embeddings, blocks, head;
+// backward: head, blocks in reverse), naming the next one.
+TEST(ModelTest, ParametersBroughtInSegmentBySegmentGiveTheSameResults) {
+  ModelConfig c = Tiny();
+  c.layers = 3;
+  auto whole = Model::Create(c);
+  ASSERT_TRUE(whole.ok());
+  auto lazy = Model::Create(c, /*initialize=*/false);
+  ASSERT_TRUE(lazy.ok());
+  const std::vector<float> values(whole->params().begin(), whole->params().end());
+  const auto segments = lazy->Segments();
+  ASSERT_EQ(segments.size(), 5u);  // embeddings, 3 blocks, head
+  EXPECT_EQ(segments.front().first, 0u);
+  EXPECT_EQ(segments.back().second, lazy->num_parameters());
+  for (size_t i = 1; i < segments.size(); ++i) EXPECT_EQ(segments[i].first, segments[i - 1].second);
+  std::vector<std::pair<FlatRange, FlatRange>> asked;
+  int released = 0;
+  ParameterAccess access;
+  access.acquire = [&](FlatRange now, FlatRange next) {
+    asked.emplace_back(now, next);
+    std::copy(values.begin() + static_cast<std::ptrdiff_t>(now.first),
+              values.begin() + static_cast<std::ptrdiff_t>(now.second), lazy->params().begin() + now.first);
+    return Status::Ok();
+  };
+  access.release = [&](FlatRange now) {
+    ++released;
+    lazy->param_buffer().Release(now.first, now.second);
+  };
+  lazy->SetParameterAccess(access);
+  const std::vector<uint8_t> tokens = RandomBytes(16, 31), targets = RandomBytes(16, 32);
+  auto want = whole->Forward(tokens.data(), targets.data(), 2);
+  auto got = lazy->Forward(tokens.data(), targets.data(), 2);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(*want, *got);
+  ASSERT_TRUE(whole->Backward().ok());
+  ASSERT_TRUE(lazy->Backward().ok());
+  EXPECT_EQ(std::memcmp(whole->grads().data(), lazy->grads().data(), whole->grads().size_bytes()), 0);
+  // Forward: 5 segments, each naming the next; backward: head and 3 blocks.
+  ASSERT_EQ(asked.size(), 9u);
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(asked[i].first, segments[i]);
+    EXPECT_EQ(asked[i].second, i + 1 < 5 ? segments[i + 1] : FlatRange(0, 0));
+  }
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(asked[5 + i].first, segments[4 - i]);
+    EXPECT_EQ(asked[5 + i].second, i + 1 < 4 ? segments[3 - i] : FlatRange(0, 0));
+  }
+  EXPECT_EQ(released, 9);
+  // Everything was handed back: the parameters read as zeros.
+  for (float v : lazy->params()) ASSERT_EQ(v, 0.0f);
 }
 
 TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {

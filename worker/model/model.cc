@@ -37,11 +37,6 @@
 #include <random>
 
 namespace tandem::model {
-namespace {
-
-constexpr float kLnEps = 1e-5f;
-constexpr int64_t kMaxParameters = int64_t{1} << 31;  // BLAS dimensions are ints
-
 // Normal samples that are the same on every platform: mt19937_64 is fully
 // specified by the standard, std::normal_distribution is not.
 class Normal {
@@ -67,6 +62,11 @@ class Normal {
   double spare_ = 0;
   bool have_spare_ = false;
 };
+
+namespace {
+
+constexpr float kLnEps = 1e-5f;
+constexpr int64_t kMaxParameters = int64_t{1} << 31;  // BLAS dimensions are ints
 
 // out[N, OC] = inp[N, IC] · w[OC, IC]ᵀ + b
 void LinearForward(float* out, const float* inp, const float* w, const float* b, int n, int ic, int oc) {
@@ -358,45 +358,95 @@ void SetBlasThreads(int threads) {
 Model::Model(const ModelConfig& config)
     : config_(config), layout_(TensorLayout(config)), stage_(PlanStages(config)[config.pipeline_stage]) {
   const size_t n = stage_.flat_end - stage_.flat_begin;
-  params_.assign(n, 0.0f);
-  grads_.assign(n, 0.0f);
+  params_ = PageBuffer(n);
+  grads_ = PageBuffer(n);
 }
 
-Result<Model> Model::Create(const ModelConfig& config) {
+Result<Model> Model::Create(const ModelConfig& config, bool initialize) {
   TANDEM_RETURN_IF_ERROR(config.Validate());
   if (config.blas_threads > 0) SetBlasThreads(config.blas_threads);
   Model model(config);
-  model.Initialize();
+  if (initialize) model.Initialize();
   return model;
 }
 
-void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out) {
-  Normal normal(config.seed);
-  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config.layers));
+FlatRange Model::SegmentOf(int l) const {
+  // Layout order: wte, wpe, blocks..., ln_f, head (see TensorLayout).
+  const auto prefix = [&](const std::string& p) {
+    size_t b = SIZE_MAX, e = 0;
+    for (const TensorInfo& t : layout_) {
+      if (!t.name.starts_with(p)) continue;
+      b = std::min(b, t.offset);
+      e = std::max(e, t.offset + t.size);
+    }
+    return FlatRange(b - stage_.flat_begin, e - stage_.flat_begin);
+  };
+  if (l < 0) {
+    const FlatRange te = prefix("wte."), pe = prefix("wpe.");
+    return {std::min(te.first, pe.first), std::max(te.second, pe.second)};
+  }
+  if (l >= config_.layers) {
+    const FlatRange ln = prefix("ln_f."), head = prefix("head.");
+    return {std::min(ln.first, head.first), std::max(ln.second, head.second)};
+  }
+  return prefix(fmt::format("blocks.{}.", l));
+}
+
+std::vector<FlatRange> Model::Segments() const {
+  std::vector<FlatRange> out;
+  if (stage_.embeddings) out.push_back(SegmentOf(-1));
+  for (int l = stage_.first_block; l < stage_.end_block; ++l) out.push_back(SegmentOf(l));
+  if (stage_.head) out.push_back(SegmentOf(config_.layers));
+  return out;
+}
+
+InitialValueStream::InitialValueStream(const ModelConfig& config)
+    : config_(config), layout_(TensorLayout(config)), normal_(std::make_unique<Normal>(config.seed)) {}
+
+InitialValueStream::~InitialValueStream() = default;
+
+void InitialValueStream::Fill(size_t begin, size_t end, float* out) {
+  if (begin < position_) {  // behind the stream: start it again
+    normal_ = std::make_unique<Normal>(config_.seed);
+    position_ = 0;
+    tensor_ = 0;
+  }
+  const float residual_std = 0.02f / std::sqrt(2.0f * static_cast<float>(config_.layers));
   auto ends_with = [](const std::string& s, std::string_view suffix) {
     return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
   };
   // The whole model's values in layout order, from one random stream: a
-  // range's values do not depend on where the range starts or ends.
-  for (const TensorInfo& t : TensorLayout(config)) {
-    if (t.offset >= end) break;
-    const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.size);
+  // range's values do not depend on where the range starts or ends. The
+  // stream is at element position_ of tensor tensor_.
+  for (; tensor_ < layout_.size() && layout_[tensor_].offset < end; ++tensor_) {
+    const TensorInfo& t = layout_[tensor_];
+    const size_t from = std::max(position_, t.offset);
+    const size_t hi = std::min(end, t.offset + t.size);
+    const size_t lo = std::max(begin, t.offset);
     const bool layer_norm = t.name.find("ln1.") != std::string::npos || t.name.find("ln2.") != std::string::npos ||
                             t.name.starts_with("ln_f.");
     if (ends_with(t.name, ".bias") || layer_norm) {
-      if (lo < hi)
+      if (lo < hi) {
         std::fill(out + (lo - begin), out + (hi - begin), layer_norm && !ends_with(t.name, ".bias") ? 1.0f : 0.0f);
-      continue;
+      }
+    } else {
+      const bool residual = ends_with(t.name, "attn.proj.weight") || ends_with(t.name, "mlp.proj.weight");
+      const float std = residual ? residual_std : 0.02f;
+      // Draws from where the stream is to the end of the range; those
+      // before the range only advance the stream.
+      for (size_t i = from; i < hi; ++i) {
+        const float v = std * normal_->Next();
+        if (i >= lo) out[i - begin] = v;
+      }
     }
-    const bool residual = ends_with(t.name, "attn.proj.weight") || ends_with(t.name, "mlp.proj.weight");
-    const float std = residual ? residual_std : 0.02f;
-    // The tensor's draws up to the end of the range (t.offset < end, so
-    // hi > t.offset); the ones before the range only advance the stream.
-    for (size_t i = t.offset; i < hi; ++i) {
-      const float v = std * normal.Next();
-      if (i >= lo && i < hi) out[i - begin] = v;
-    }
+    position_ = hi;
+    if (hi < t.offset + t.size) return;  // the range ends inside this tensor
   }
+  position_ = std::max(position_, end);
+}
+
+void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out) {
+  InitialValueStream(config).Fill(begin, end, out);
 }
 
 void Model::Initialize() {
@@ -419,7 +469,7 @@ std::vector<v1::TensorSpec> Model::Tensors() const {
 }
 
 void Model::ZeroGrads() {
-  std::fill(grads_.begin(), grads_.end(), 0.0f);
+  grads_.Zero();
 }
 
 Model::TensorViews Model::Bind(float* base) const {
@@ -608,6 +658,34 @@ void Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, con
   GeluForward(a.fch_gelu, a.fch, N * F);
 }
 
+namespace {
+
+// One pass's on-demand parameters (ParameterAccess): each segment acquired
+// with the next one named, and released once its kernels are done. Without
+// segments (no ParameterAccess) both are no-ops.
+class SegmentWalk {
+ public:
+  SegmentWalk(const ParameterAccess& access, std::vector<FlatRange> segments)
+      : access_(access), segments_(std::move(segments)) {}
+  Status Acquire() {
+    if (segments_.empty()) return Status::Ok();
+    const FlatRange next = at_ + 1 < segments_.size() ? segments_[at_ + 1] : FlatRange(0, 0);
+    return access_.acquire(segments_[at_], next);
+  }
+  void Release() {
+    if (segments_.empty()) return;
+    if (access_.release) access_.release(segments_[at_]);
+    ++at_;
+  }
+
+ private:
+  const ParameterAccess& access_;
+  std::vector<FlatRange> segments_;
+  size_t at_ = 0;
+};
+
+}  // namespace
+
 Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot, const float* input) {
   if (batch < 1) return InvalidArgument("model forward: batch must be at least 1, got {}", batch);
   if (slot < 0 || slot >= slots()) {
@@ -634,8 +712,13 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   EnsureWorkspace(batch);
   have_targets_ = false;
   const TensorViews p = Bind(params_.data());
+  // On-demand parameters: the segments in order.
+  SegmentWalk walk(access_, access_.acquire ? Segments() : std::vector<FlatRange>());
+  const auto acquire = [&] { return walk.Acquire(); };
+  const auto release = [&] { walk.Release(); };
 
   if (stage_.embeddings) {
+    TANDEM_RETURN_IF_ERROR(acquire());
     std::copy(tokens, tokens + N, tokens_.begin());
     for (size_t i = 0; i < N; ++i) {
       const float* te = p.wte + static_cast<size_t>(tokens[i]) * C;
@@ -643,6 +726,7 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
       float* x = encoded_.data() + i * C;
       for (int j = 0; j < C; ++j) x[j] = te[j] + pe[j];
     }
+    release();
   } else {
     std::copy(input, input + N * static_cast<size_t>(C), encoded_.begin());
   }
@@ -651,8 +735,10 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
     const BlockTensors& w = p.blocks[static_cast<size_t>(l)];
     const BlockActivations a = Activations(l);
     float* res_mlp = res_mlp_.data() + static_cast<size_t>(l - stage_.first_block) * N * C;
+    TANDEM_RETURN_IF_ERROR(acquire());
     BlockInternals(w, a, residual);
     LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
+    release();
     for (size_t i = 0; i < N * C; ++i) res_mlp[i] += a.res_att[i];
     residual = res_mlp;
   }
@@ -660,8 +746,10 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
     have_targets_ = true;  // Backward takes the output's gradient instead of targets
     return 0.0f;
   }
+  TANDEM_RETURN_IF_ERROR(acquire());
   LayerNormForward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), residual, p.lnf_w, p.lnf_b, n, C);
   LinearForward(logits_.data(), lnf_.data(), p.head_w, nullptr, n, C, V);
+  release();
   if (targets == nullptr) return 0.0f;
 
   // Softmax and cross-entropy; the sum over positions in double.
@@ -709,6 +797,17 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
   auto ready = [&](const float* first) {
     if (on_ready) on_ready(static_cast<size_t>(first - grads_.data()));
   };
+  // On-demand parameters, last segment first (the embeddings' backward reads
+  // no parameters).
+  std::vector<FlatRange> segments;
+  if (access_.acquire) {
+    segments = Segments();
+    if (stage_.embeddings) segments.erase(segments.begin());
+    std::reverse(segments.begin(), segments.end());
+  }
+  SegmentWalk walk(access_, std::move(segments));
+  const auto acquire = [&] { return walk.Acquire(); };
+  const auto release = [&] { walk.Release(); };
 
   const int blocks = stage_.end_block - stage_.first_block;  // >= 1
   if (stage_.head) {
@@ -720,11 +819,13 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
       for (int j = 0; j < V; ++j) d[j] = k * prob[j];
       d[targets_[i]] -= k;
     }
+    TANDEM_RETURN_IF_ERROR(acquire());
     LinearBackward(dln_.data(), g.head_w, nullptr, dlogits_.data(), lnf_.data(), p.head_w, n, C, V);
     std::fill(dres_.begin(), dres_.end(), 0.0f);
     const float* last = res_mlp_.data() + static_cast<size_t>(blocks - 1) * N * C;
     LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(), n,
                       C);
+    release();
     ready(g.lnf_w);
   } else {
     std::copy(output_grad, output_grad + N * static_cast<size_t>(C), dres_.begin());
@@ -737,6 +838,7 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     const size_t local = static_cast<size_t>(l - stage_.first_block);
     const float* residual = local == 0 ? encoded_.data() : res_mlp_.data() + (local - 1) * N * C;
     const BlockActivations a = Activations(l);
+    TANDEM_RETURN_IF_ERROR(acquire());
     // The shared slot still holds the last block from Forward; the others
     // are recomputed from their inputs.
     if (config_.activation_checkpointing && l != stage_.end_block - 1) BlockInternals(w, a, residual);
@@ -749,6 +851,7 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), a.qkv, a.att, B, T, C, H);
     LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), a.ln1, w.qkv_w, n, C, 3 * C);
     LayerNormBackward(dres_.data(), gw.ln1_w, gw.ln1_b, dln_.data(), residual, w.ln1_w, a.ln1_mean, a.ln1_rstd, n, C);
+    release();
     ready(gw.ln1_w);
   }
   if (!stage_.embeddings) return Status::Ok();  // dres_ is the input's gradient (input_grad())

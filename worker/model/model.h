@@ -68,10 +68,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "common/page_buffer.h"
 #include "common/status.h"
 #include "tandem/v1/types.pb.h"
 
@@ -134,9 +136,42 @@ std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
 // REQUIRES: config.Validate().ok(), begin <= end <= the parameter count.
 void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out);
 
+// The same for many ranges: ranges in ascending order continue the random
+// stream where the last one ended (a range before the last one starts it
+// again), so filling a model range by range costs about one pass.
+class Normal;
+class InitialValueStream {
+ public:
+  explicit InitialValueStream(const ModelConfig& config);  // REQUIRES: config.Validate().ok()
+  ~InitialValueStream();
+  void Fill(size_t begin, size_t end, float* out);
+
+ private:
+  ModelConfig config_;
+  std::vector<TensorInfo> layout_;
+  std::unique_ptr<Normal> normal_;
+  size_t position_ = 0;  // the next element the stream gives
+  size_t tensor_ = 0;    // the tensor holding it
+};
+
 // Sets the number of threads the BLAS library uses, process-wide. A no-op
 // when the BLAS found at build time has no such setting (not OpenBLAS).
 void SetBlasThreads(int threads);
+
+// A range [first, second) of a model's params() (stage-relative elements).
+using FlatRange = std::pair<size_t, size_t>;
+
+// Parameters on demand (the sharded placement, worker/runtime/runtime.h):
+// Forward and Backward call acquire(now, next) before their kernels read the
+// parameters of a segment `now` (the embeddings, one block, or ln_f and the
+// head) and release(now) once they no longer need them; `next` is the
+// segment the same pass needs after it (empty at the end of a pass), so that
+// its parameters can be fetched while `now` computes. An acquire error ends
+// the pass with that error. Backward of the embeddings reads no parameters.
+struct ParameterAccess {
+  std::function<Status(FlatRange now, FlatRange next)> acquire;
+  std::function<void(FlatRange now)> release;
+};
 
 enum class GradMode {
   kOverwrite,   // grads = dLoss/dParams · scale
@@ -146,7 +181,10 @@ enum class GradMode {
 class Model {
  public:
   // Validates the configuration and initialises the parameters from its seed.
-  static Result<Model> Create(const ModelConfig& config);
+  // With `initialize` false the parameters are left at zero and take no
+  // memory until written (their values come from elsewhere: InitialValues,
+  // the parameter servers).
+  static Result<Model> Create(const ModelConfig& config, bool initialize = true);
 
   const ModelConfig& config() const { return config_; }
 
@@ -168,6 +206,16 @@ class Model {
   std::span<float> grads() { return grads_; }
   std::span<const float> grads() const { return grads_; }
   void ZeroGrads();
+  // Parameters and gradients live in page buffers: a range handed back reads
+  // as zeros and takes no memory until written again.
+  PageBuffer& param_buffer() { return params_; }
+  PageBuffer& grad_buffer() { return grads_; }
+
+  // The segments of params() that Forward reads one after another: the
+  // embeddings (first stage), each block, ln_f and the head (last stage).
+  std::vector<FlatRange> Segments() const;
+  // Installs (or, with empty functions, removes) on-demand parameter access.
+  void SetParameterAccess(ParameterAccess access) { access_ = std::move(access); }
 
   // Runs the model on `batch` sequences of context() tokens (tokens[b·T + t]).
   // With targets (same layout) it returns the mean cross-entropy and keeps
@@ -256,8 +304,12 @@ class Model {
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
   StagePlan stage_;
-  std::vector<float> params_;  // this stage's range of the flat buffer
-  std::vector<float> grads_;
+  PageBuffer params_;  // this stage's range of the flat buffer
+  PageBuffer grads_;
+  ParameterAccess access_;
+  // The range of the segment holding blocks.l (or the embeddings, l = -1, or
+  // the head, l = layers), stage-relative.
+  FlatRange SegmentOf(int l) const;
 
   // Workspace: activations of the last Forward (per layer where it applies,
   // layer-major; one layer's worth with activation checkpointing, marked
