@@ -62,6 +62,7 @@ struct Record {
   uint32_t world_size = 0;
   double time = 0;
   std::vector<double> pipeline_idle;  // by stage
+  uint64_t parameter_bytes = 0;
 };
 
 // Reads the lines appended to a progress file since the last call.
@@ -99,6 +100,7 @@ class ProgressReader {
       r.world_size = n["world_size"].as<uint32_t>();
       r.time = n["time"].as<double>();
       if (n["pipeline_idle"]) r.pipeline_idle = n["pipeline_idle"].as<std::vector<double>>();
+      if (n["parameter_bytes"]) r.parameter_bytes = n["parameter_bytes"].as<uint64_t>();
       (*records)[r.step] = r;
     } catch (const std::exception&) {
       // Not a step line (a torn write is impossible: lines are flushed whole).
@@ -127,6 +129,7 @@ struct Member {
 Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
   RunSummary summary;
   summary.mode = o.train.mode;
+  summary.placement = o.train.placement;
   const auto print = [&o](const std::string& text) {
     if (o.progress) {
       fmt::print("{}", text);
@@ -470,6 +473,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   for (const auto& [step, r] : records) {
     summary.losses.push_back(r.loss);
     epochs.insert(r.epoch);
+    summary.peak_parameter_bytes = std::max(summary.peak_parameter_bytes, r.parameter_bytes);
     if (step >= 2) {
       if (!r.pipeline_idle.empty()) {
         idle_sum.resize(r.pipeline_idle.size(), 0.0);
@@ -544,14 +548,16 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"pipeline_stages\": {},\n"
       "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
       "{},\n"
-      "  \"worker_peak_rss_bytes\": {{{}}},\n  \"losses\": [{}]\n}}\n",
+      "  \"worker_peak_rss_bytes\": {{{}}},\n  \"peak_parameter_bytes\": {},\n  \"placement\": {},\n"
+      "  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
       JsonNumber(s.compute_seconds_median, 6), JsonNumber(s.exposed_fraction, 4), JsonQuote(s.network),
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
       s.pipeline_stages, s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle,
-      JsonNumber(s.analytic_bubble, 4), s.peak_rss_bytes, peaks, losses);
+      JsonNumber(s.analytic_bubble, 4), s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement),
+      losses);
 }
 
 }  // namespace tandem::cli

@@ -75,6 +75,11 @@ struct RunSummary {
   // end, and each one's (by worker name), read just before they stop.
   uint64_t peak_rss_bytes = 0;
   std::map<std::string, uint64_t> worker_peak_rss_bytes;
+  // Global rank 0's largest StepResult::parameter_bytes (its copies of the
+  // parameters: all of them replicated, its shard and the segments in use
+  // sharded), and the placement.
+  uint64_t peak_parameter_bytes = 0;
+  std::string placement;
   uint32_t pipeline_stages = 1;
   std::string pipeline_schedule;
   std::vector<double> pipeline_idle;

@@ -35,6 +35,9 @@ int RunCommand(int argc, char** argv) {
   options.Choice("mode", &o.train.mode, worker::TrainingModeNames(),
                  "hybrid (node reduce-scatter, servers, node all-gather), allreduce (no servers), ps (every worker "
                  "pushes to the servers)");
+  options.Choice("placement", &o.train.placement, {"replicated", "sharded"},
+                 "where workers keep the parameters: all of them (replicated), or each worker of a node only its "
+                 "share, gathered per layer on demand (sharded, ZeRO-3; hybrid mode)");
   options.Int("steps", &o.train.steps, "training steps", 1, int64_t{1} << 40);
   options.String("data", &o.train.data, "text file to train on (default: the built-in corpus)");
   options.Int("seed", &o.train.seed, "seed of the model's initialisation and of the data order", 0, INT64_MAX);
@@ -61,7 +64,8 @@ int RunCommand(int argc, char** argv) {
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
       "The summary has the keys steps, first_loss, last_loss, tokens_per_second, mode, world_size, epochs,\n"
       "faults, server_steps_applied, peak_rss_bytes (the largest worker's peak resident memory),\n"
-      "worker_peak_rss_bytes, and with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
+      "worker_peak_rss_bytes, peak_parameter_bytes, placement, and with --pp pipeline_stages, pipeline_idle and "
+      "analytic_bubble\n"
       "(docs/training.md).");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
 
@@ -79,7 +83,10 @@ int RunCommand(int argc, char** argv) {
   fmt::print("  membership epochs {}, faults injected {}, workers added {}, final world size {}\n", s.epochs, s.faults,
              s.workers_added, s.world_size);
   if (s.peak_rss_bytes > 0) {
-    fmt::print("  peak resident memory of a worker: {:.1f} MiB\n", static_cast<double>(s.peak_rss_bytes) / (1 << 20));
+    fmt::print(
+        "  peak resident memory of a worker: {:.1f} MiB; rank 0's parameters ({} placement): {:.1f} MiB at most\n",
+        static_cast<double>(s.peak_rss_bytes) / (1 << 20), s.placement,
+        static_cast<double>(s.peak_parameter_bytes) / (1 << 20));
   }
   if (s.pipeline_stages > 1) {
     std::string idle;

@@ -263,6 +263,55 @@ TEST(TrainProcessTest, APipelineThatDoesNotFitFailsFast) {
   EXPECT_NE(r.output.find("--pp 4"), std::string::npos) << r.output;
 }
 
+// The sharded placement (ZeRO-3): each worker of a node keeps only its
+// partitions and gathers each segment's parameters from the node when
+// forward or backward needs it. The gathered values are the pulled ones
+// exactly, so the training is the replicated training bit for bit, with and
+// without a pipeline (2 nodes x 2 workers, 16 KiB partitions, so every block
+// spans several partitions owned by both workers of a node). A worker killed
+// in a sharded run: the survivors re-form (a node of one worker then owns
+// every partition) and the training equals one process within the bounds at
+// the top of this file. Sharded needs hybrid mode: ps mode is refused before
+// anything starts.
+TEST(TrainProcessTest, ShardedPlacementEqualsReplicatedBitForBit) {
+  testing::TempDir dir;
+  const std::vector<std::string> cluster = {"--nodes",   "2",       "--workers-per-node", "2",
+                                            "--servers", "2",       "--partition-size",   "16KiB",
+                                            "--network", "loopback"};
+  const auto run = [&](const std::string& name, std::vector<std::string> args) {
+    args.insert(args.begin(), "run");
+    args.insert(args.end(), cluster.begin(), cluster.end());
+    return Invoke(dir, name, args);
+  };
+  for (const std::string pp : {"1", "2"}) {
+    const auto replicated = run("replicated-pp" + pp, {"--pp", pp, "--steps", "10", "--train-accumulation", "2"});
+    ASSERT_TRUE(replicated.ok) << replicated.output;
+    const auto sharded =
+        run("sharded-pp" + pp, {"--pp", pp, "--placement", "sharded", "--steps", "10", "--train-accumulation", "2"});
+    ASSERT_TRUE(sharded.ok) << sharded.output;
+    EXPECT_EQ(sharded.summary["server_steps_applied"].as<int>(), 10) << sharded.output;
+    ASSERT_EQ(sharded.params.size(), replicated.params.size());
+    ASSERT_FALSE(sharded.params.empty());
+    EXPECT_EQ(std::memcmp(sharded.params.data(), replicated.params.data(), sharded.params.size() * sizeof(float)), 0)
+        << "pp " << pp;
+    EXPECT_EQ(sharded.summary["losses"].as<std::vector<double>>(),
+              replicated.summary["losses"].as<std::vector<double>>());
+  }
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "14", "--train-accumulation", "2"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const auto killed = run("sharded-kill", {"--placement", "sharded", "--steps", "14", "--kill-worker-at", "5",
+                                           "--train-accumulation", "2"});
+  ASSERT_TRUE(killed.ok) << killed.output;
+  EXPECT_EQ(killed.summary["faults"].as<int>(), 1);
+  EXPECT_EQ(killed.summary["server_steps_applied"].as<int>(), 14) << killed.output;
+  ExpectSameTraining(local, killed, "adamw");
+
+  auto refused = RunCommand({BinDir() + "/tandem", "run", "--placement", "sharded", "--mode", "ps", "--steps", "1"},
+                            std::chrono::seconds(30));
+  EXPECT_FALSE(refused.exit.success());
+  EXPECT_NE(refused.output.find("sharded needs train.mode hybrid"), std::string::npos) << refused.output;
+}
+
 // A hybrid cluster launched daemon by daemon (a coordinator, three servers,
 // 2 nodes x 2 workers), so that one server can be given a failpoint.
 struct HandRun {

@@ -41,6 +41,16 @@ Result<TrainingMode> ParseTrainingMode(std::string_view name) {
   return InvalidArgument("training mode '{}' is not one of hybrid, allreduce, ps", name);
 }
 
+std::string_view PlacementName(Placement placement) {
+  return placement == Placement::kSharded ? "sharded" : "replicated";
+}
+
+Result<Placement> ParsePlacement(std::string_view name) {
+  if (name == "replicated") return Placement::kReplicated;
+  if (name == "sharded") return Placement::kSharded;
+  return InvalidArgument("placement '{}' is not one of replicated, sharded", name);
+}
+
 Result<std::unique_ptr<LocalOptimizer>> LocalOptimizer::Create(const v1::OptimizerConfig& config, size_t parameters) {
   auto optimizer = optim::Optimizer::Create(config);
   if (!optimizer.ok()) return optimizer.status();
@@ -110,10 +120,10 @@ struct Runtime::Bucket {
   std::vector<std::pair<size_t, size_t>> cuts;
   std::vector<size_t> cut_offset;
   std::vector<size_t> slot;
+  std::vector<uint32_t> owner;  // the local rank of each partition: its id % L
   size_t block = 0;
-  std::vector<float> staging;  // L blocks: reduce-scatter input, all-gather output
-  std::vector<float> mine;     // this rank's block: the node's sum of its partitions
-  std::vector<float> pulled;   // this rank's block: its partitions' new parameters
+  std::vector<float> mine;    // this rank's block: the node's sum of its partitions
+  std::vector<float> pulled;  // this rank's block: its partitions' new parameters
   std::vector<uint16_t> wire_out;
   std::vector<uint16_t> wire_in;
   std::vector<std::shared_ptr<PsOp>> pushes;
@@ -197,6 +207,11 @@ Status Runtime::AttachModel(ModelBinding model) {
   if (options_.parameter_wire != v1::WIRE_DTYPE_FP32 && options_.parameter_wire != v1::WIRE_DTYPE_BF16) {
     return InvalidArgument("parameter wire type must be fp32 or bf16");
   }
+  if (options_.placement == Placement::kSharded && options_.mode != TrainingMode::kHybrid) {
+    return InvalidArgument(
+        "placement sharded needs hybrid mode (the workers of a node share the parameters there), not {} mode",
+        ModeName(options_.mode));
+  }
   auto whole = model.bounds(1);
   if (!whole.ok()) return whole.status();
   // The optimizer configuration is checked now, not at the first epoch.
@@ -233,6 +248,13 @@ Status Runtime::BindStage(const DataPlane::EpochView& view) {
     spdlog::info("epoch {}: this worker now trains pipeline stage {} of {} (was {} of {})", view.epoch.epoch(), stage,
                  stages, stage_, stages_);
   }
+  if (options_.placement == Placement::kSharded && (buffers->param_pages == nullptr || buffers->grad_pages == nullptr ||
+                                                    buffers->param_pages->data() != buffers->params.data() ||
+                                                    buffers->grad_pages->data() != buffers->grads.data())) {
+    return InvalidArgument("placement sharded needs the model's parameters and gradients in page buffers");
+  }
+  param_pages_ = buffers->param_pages;
+  grad_pages_ = buffers->grad_pages;
   bounds_ = std::move(*bounds);
   params_ = buffers->params;
   grads_ = buffers->grads;
@@ -309,6 +331,7 @@ Result<StepPlan> Runtime::BeginStep() {
     break;
   }
   in_step_ = true;
+  parameter_bytes_ = 0;
   step_ = completed_ + 1;
   grads_step_ = 0;  // the model computes the new step's gradient into the buffer
   next_bucket_ = 0;
@@ -378,6 +401,10 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
   } else {
     contributor_ = view.rank.mesh().dp();
   }
+  sharded_ = options_.placement == Placement::kSharded;
+  gathers_.clear();  // no gather is queued: a failed step drained the queue
+  prefetched_ = prefetched_span_ = {0, 0};
+  prefetch_ticket_ = 0;
   TANDEM_RETURN_IF_ERROR(PlanBuckets(view));
   const uint64_t before = completed_;
   TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce() : ResyncFromServers(view));
@@ -426,6 +453,9 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
   const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
   const size_t lo = base_, hi = base_ + n;  // this stage's elements
+  places_.assign(static_cast<size_t>(map.partitions_size()), PartitionPlace{});
+  size_t largest = 0;        // of L * block over the buckets
+  size_t largest_block = 0;  // of block
   const auto range = [&](int p) {
     return std::pair<size_t, size_t>(map.partitions(p).range().begin(), map.partitions(p).range().end());
   };
@@ -443,6 +473,7 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     }
     for (int p = first; p <= last; ++p) {
       const auto [pb, pe] = range(p);
+      places_[static_cast<size_t>(p)] = PartitionPlace{b.get(), b->partitions.size()};
       b->partitions.push_back(map.partitions(p).id());
       b->ranges.emplace_back(pb, pe);
       b->cuts.emplace_back(std::max(pb, lo) - lo, std::min(pe, hi) - lo);
@@ -451,22 +482,30 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     b->begin = b->cuts.front().first;
     b->end = b->cuts.back().second;
     // Slots in each local rank's block.
+    // Partition p belongs to local rank p % L, whatever bucket it is in,
+    // so that the partitions spread evenly over a node's workers even when
+    // a bucket holds fewer partitions than L.
     std::vector<size_t> fill(local, 0);
     for (size_t k = 0; k < b->partitions.size(); ++k) {
-      const int owner = static_cast<int>(k % local);
+      const uint32_t owner = b->partitions[k] % static_cast<uint32_t>(local);
+      b->owner.push_back(owner);
       b->slot.push_back(fill[owner]);
       fill[owner] += b->ranges[k].second - b->ranges[k].first;
     }
     b->block = *std::max_element(fill.begin(), fill.end());
-    const bool packed = local > 1;
+    // Sharded: the pulled partitions are the worker's shard, kept apart from
+    // the model's buffer even when it is alone on its node.
+    const bool packed = local > 1 || sharded_;
     if (packed) {
-      b->staging.assign(b->block * local, 0.0f);
-      b->mine.assign(b->block, 0.0f);
-      b->pulled.assign(b->block, 0.0f);
+      largest = std::max(largest, b->block * static_cast<size_t>(local));
+      largest_block = std::max(largest_block, b->block);
+      // Only this worker's share: the collectives go through shared scratch.
+      b->mine.assign(fill[static_cast<size_t>(me)], 0.0f);
+      b->pulled.assign(fill[static_cast<size_t>(me)], 0.0f);
     }
     size_t wire = 0;
     for (size_t k = 0; k < b->partitions.size(); ++k) {
-      if (static_cast<int>(k % local) != me) continue;
+      if (static_cast<int>(b->owner[k]) != me) continue;
       Bucket::Owned o;
       o.partition = b->partitions[k];
       o.count = b->ranges[k].second - b->ranges[k].first;
@@ -503,6 +542,8 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     buckets_.push_back(std::move(b));
     last = first - 1;
   }
+  staging_.assign(largest, 0.0f);
+  block_scratch_.assign(largest_block, 0.0f);
   return Status::Ok();
 }
 
@@ -519,6 +560,10 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     v1::ConsistencyConfig consistency;
     consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
     const PsClient::ValueSource values = [&](uint64_t b, uint64_t e, float* out) {
+      if (sharded_) {  // the model's buffer was never filled
+        model_.initial(b, e, out);
+        return;
+      }
       if (b < lo) model_.initial(b, std::min<uint64_t>(e, lo), out);
       if (e > hi) model_.initial(std::max<uint64_t>(b, hi), e, out + (std::max<uint64_t>(b, hi) - b));
       const uint64_t from = std::max<uint64_t>(b, lo), to = std::min<uint64_t>(e, hi);
@@ -539,12 +584,18 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   const auto pull_all = [&](uint64_t step, const std::vector<bool>* only) -> Result<std::vector<int64_t>> {
     std::vector<std::shared_ptr<PsOp>> ops(map.partitions_size());
     std::vector<std::vector<float>> edges(map.partitions_size());
+    const int me = node_->rank();
     for (int p = 0; p < map.partitions_size(); ++p) {
       if (!overlaps(p) || (only != nullptr && !(*only)[p])) continue;
       const auto& r = map.partitions(p).range();
       const size_t count = r.end() - r.begin();
       float* into = params_.data() + (std::max<uint64_t>(r.begin(), lo) - lo);
-      if (r.begin() < lo || r.end() > hi) {
+      if (sharded_) {
+        // Only the partitions of this worker's shard, into the shard.
+        const PartitionPlace& place = places_[static_cast<size_t>(p)];
+        if (static_cast<int>(place.bucket->owner[place.k]) != me) continue;
+        into = place.bucket->pulled.data() + place.bucket->slot[place.k];
+      } else if (r.begin() < lo || r.end() > hi) {
         edges[p].resize(count);
         into = edges[p].data();
       }
@@ -712,19 +763,21 @@ Status Runtime::RunBucket(Bucket& b) {
   }
   const bool hybrid = options_.mode == TrainingMode::kHybrid;
   const int local = hybrid ? node_->size() : 1;
-  if (local > 1) {
+  if (local > 1 || sharded_) {
     // Pack: local rank j's partitions side by side in block j (a partition
     // only partly in this stage with zeros around its part).
     for (size_t k = 0; k < b.partitions.size(); ++k) {
-      const size_t owner = k % static_cast<size_t>(local);
-      float* slot = b.staging.data() + owner * b.block + b.slot[k];
+      const size_t owner = b.owner[k];
+      float* slot = staging_.data() + owner * b.block + b.slot[k];
       const size_t whole = b.ranges[k].second - b.ranges[k].first;
       const size_t part = b.cuts[k].second - b.cuts[k].first;
       if (part != whole) std::fill(slot, slot + whole, 0.0f);
       std::memcpy(slot + b.cut_offset[k], grads_.data() + b.cuts[k].first, part * sizeof(float));
     }
-    TANDEM_RETURN_IF_ERROR(
-        node_->ReduceScatter(b.staging.data(), b.mine.data(), b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
+    if (sharded_) grad_pages_->Release(b.begin, b.end);  // packed: this worker's copy is no longer needed
+    TANDEM_RETURN_IF_ERROR(node_->ReduceScatter(staging_.data(), block_scratch_.data(), b.block, comm::DType::kFloat32,
+                                                comm::ReduceOp::kSum));
+    std::copy_n(block_scratch_.begin(), b.mine.size(), b.mine.begin());
   }
   for (auto& o : b.owned) {
     if (o.edge_grad.empty()) continue;
@@ -786,12 +839,13 @@ Status Runtime::FinishBuckets() {
           std::memcpy(params_.data() + from, o.edge_param.data() + b.cut_offset[o.cut], (to - from) * sizeof(float));
         }
       }
-      if (local > 1) {
-        TANDEM_RETURN_IF_ERROR(node_->AllGather(b.pulled.data(), b.staging.data(), b.block, comm::DType::kFloat32));
+      if (local > 1 && !sharded_) {  // sharded: the pulled partitions stay the shard
+        std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
+        TANDEM_RETURN_IF_ERROR(
+            node_->AllGather(block_scratch_.data(), staging_.data(), b.block, comm::DType::kFloat32));
         for (size_t k = 0; k < b.partitions.size(); ++k) {
-          const size_t owner = k % static_cast<size_t>(local);
-          std::memcpy(params_.data() + b.cuts[k].first,
-                      b.staging.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
+          const size_t owner = b.owner[k];
+          std::memcpy(params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
                       (b.cuts[k].second - b.cuts[k].first) * sizeof(float));
         }
       }
@@ -802,7 +856,9 @@ Status Runtime::FinishBuckets() {
 
 Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
   if (!in_step_) return FailedPrecondition("EndStep without BeginStep");
-  grads_step_ = step_;
+  // Sharded: the gradient is handed back bucket by bucket as it is sent, so
+  // there is none to push again.
+  grads_step_ = sharded_ ? 0 : step_;
   grads_world_ = view_->rank.world_size();
   GradientsReady(0);
   loss_in_[0] = static_cast<float>(loss_share);
@@ -838,6 +894,9 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
     result.optimizer_seconds = Seconds(Clock::now() - t0);
     if (!applied.ok()) return applied;
   }
+  NoteParameterBytes();
+  result.parameter_bytes = parameter_bytes_;
+  parameter_bytes_ = 0;
   result.loss = loss_out_[0];
   result.samples = static_cast<uint64_t>(loss_out_[1]);
   result.tokens = static_cast<uint64_t>(loss_out_[2]);
@@ -860,10 +919,121 @@ void Runtime::AbandonStep(const Status& why) {
   synced_epoch_ = 0;
 }
 
-void Runtime::Enqueue(std::function<Status()> task) {
+uint64_t Runtime::Enqueue(std::function<Status()> task) {
   std::lock_guard lock(mu_);
   queue_.push_back(std::move(task));
   cv_.notify_all();
+  return ++enqueued_;
+}
+
+Status Runtime::WaitFor(uint64_t ticket) {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return finished_ >= ticket; });
+  return step_status_;
+}
+
+// One gather of the sharded placement: the partitions that overlap a range
+// of the stage, each from the worker that owns it (partition k of a bucket
+// belongs to local rank k % L), packed by owner as the buckets are.
+struct Runtime::GatherPlan {
+  std::vector<std::pair<Bucket*, size_t>> parts;  // (bucket, k)
+  std::vector<size_t> slot;                       // in its owner's block
+  size_t block = 0;
+  std::pair<size_t, size_t> span{0, 0};  // the stage's elements the gather writes
+};
+
+Runtime::GatherPlan& Runtime::PlanGather(std::pair<size_t, size_t> range) {
+  auto& cached = gathers_[range];
+  if (cached) return *cached;
+  cached = std::make_unique<GatherPlan>();
+  GatherPlan& plan = *cached;
+  const int local = node_->size();
+  std::vector<size_t> fill(static_cast<size_t>(local), 0);
+  plan.span = {SIZE_MAX, 0};
+  for (const PartitionPlace& place : places_) {
+    if (place.bucket == nullptr) continue;
+    const auto [from, to] = place.bucket->cuts[place.k];
+    if (to <= range.first || from >= range.second) continue;
+    const size_t owner = place.bucket->owner[place.k];
+    plan.parts.emplace_back(place.bucket, place.k);
+    plan.slot.push_back(fill[owner]);
+    fill[owner] += place.bucket->ranges[place.k].second - place.bucket->ranges[place.k].first;
+    plan.span = {std::min(plan.span.first, from), std::max(plan.span.second, to)};
+  }
+  plan.block = *std::max_element(fill.begin(), fill.end());
+  if (plan.parts.empty()) plan.span = {0, 0};
+  gather_send_.resize(std::max(gather_send_.size(), plan.block));
+  gather_staging_.resize(std::max(gather_staging_.size(), plan.block * static_cast<size_t>(local)));
+  return plan;
+}
+
+Status Runtime::Gather(GatherPlan& plan) {
+  const int me = node_->rank();
+  for (size_t j = 0; j < plan.parts.size(); ++j) {
+    const auto [b, k] = plan.parts[j];
+    if (static_cast<int>(b->owner[k]) != me) continue;
+    std::memcpy(gather_send_.data() + plan.slot[j], b->pulled.data() + b->slot[k],
+                (b->ranges[k].second - b->ranges[k].first) * sizeof(float));
+  }
+  TANDEM_RETURN_IF_ERROR(
+      node_->AllGather(gather_send_.data(), gather_staging_.data(), plan.block, comm::DType::kFloat32)
+          .WithContext("gathering parameters from the node's workers (sharded placement)"));
+  for (size_t j = 0; j < plan.parts.size(); ++j) {
+    const auto [b, k] = plan.parts[j];
+    const size_t owner = b->owner[k];
+    const auto [from, to] = b->cuts[k];
+    std::memcpy(params_.data() + from, gather_staging_.data() + owner * plan.block + plan.slot[j] + b->cut_offset[k],
+                (to - from) * sizeof(float));
+  }
+  return Status::Ok();
+}
+
+Status Runtime::Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next) {
+  if (!sharded_ || now.first >= now.second) return Status::Ok();
+  uint64_t ticket = 0;
+  if (prefetch_ticket_ != 0 && prefetched_ == now) {
+    ticket = prefetch_ticket_;
+  } else {
+    // A prefetch of something else finishes first: planning may grow the
+    // buffers it uses.
+    if (prefetch_ticket_ != 0) TANDEM_RETURN_IF_ERROR(WaitFor(prefetch_ticket_));
+    GatherPlan* plan = &PlanGather(now);
+    ticket = Enqueue([this, plan] { return Gather(*plan); });
+  }
+  prefetch_ticket_ = 0;
+  prefetched_ = prefetched_span_ = {0, 0};
+  Status status = WaitFor(ticket);
+  if (!status.ok()) return status;
+  if (next.first < next.second) {
+    GatherPlan* plan = &PlanGather(next);
+    prefetched_ = next;
+    prefetched_span_ = plan->span;
+    prefetch_ticket_ = Enqueue([this, plan] { return Gather(*plan); });
+  }
+  return Status::Ok();
+}
+
+void Runtime::NoteParameterBytes() {
+  uint64_t bytes = param_pages_ != nullptr ? param_pages_->ResidentBytes() : params_.size_bytes();
+  for (const auto& b : buckets_) bytes += b->pulled.size() * sizeof(float);
+  parameter_bytes_ = std::max(parameter_bytes_, bytes);
+}
+
+void Runtime::Release(std::pair<size_t, size_t> now) {
+  if (!sharded_) return;
+  NoteParameterBytes();  // the segment in use and the one being gathered
+  // Not the elements the prefetch writes (a partition may straddle two
+  // segments): segments are adjacent, so those are at one end of `now`.
+  size_t from = now.first, to = now.second;
+  const auto [pb, pe] = prefetched_span_;
+  if (pb < pe && pb < to && pe > from) {
+    if (pb > from) {
+      to = pb;
+    } else {
+      from = std::min(to, pe);
+    }
+  }
+  param_pages_->Release(from, to);
 }
 
 void Runtime::CommLoop() {
@@ -884,6 +1054,7 @@ void Runtime::CommLoop() {
     comm_busy_ += dt;
     if (!s.ok() && step_status_.ok()) step_status_ = std::move(s);
     --running_;
+    ++finished_;
     cv_.notify_all();
   }
 }

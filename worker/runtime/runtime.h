@@ -71,6 +71,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -80,6 +81,7 @@
 #include <vector>
 
 #include "common/optimizer/optimizer.h"
+#include "common/page_buffer.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "tandem/v1/server.pb.h"
@@ -88,6 +90,15 @@
 namespace tandem::worker {
 
 enum class TrainingMode { kHybrid, kAllReduce, kPs };
+// Where a worker keeps the parameters between steps (hybrid mode).
+// replicated: every worker holds all of them. sharded (ZeRO-3): each worker
+// of a node keeps only the parameter-server partitions it pushes and pulls
+// (its shard); Forward and Backward gather each segment's parameters from
+// the node's workers on demand (Acquire, with the next segment's gather
+// prefetched) and hand them back after use (Release).
+enum class Placement { kReplicated, kSharded };
+std::string_view PlacementName(Placement placement);
+Result<Placement> ParsePlacement(std::string_view name);
 // "hybrid", "allreduce", "ps".
 std::string_view ModeName(TrainingMode mode);
 Result<TrainingMode> ParseTrainingMode(std::string_view name);
@@ -98,6 +109,7 @@ inline const std::vector<std::string>& TrainingModeNames() {
 
 struct RuntimeOptions {
   TrainingMode mode = TrainingMode::kHybrid;
+  Placement placement = Placement::kReplicated;
   // Gradients go out in buckets of about this many bytes (whole partitions
   // in the server modes: at least one).
   size_t bucket_bytes = 1 << 20;
@@ -137,6 +149,10 @@ struct StageBuffers {
   std::span<float> grads;
   std::vector<v1::TensorSpec> tensors;  // the stage's tensors, flat_offset relative to params
   size_t base = 0;
+  // The sharded placement hands pages of the parameters and gradients back
+  // to the kernel: the buffers params and grads live in (null otherwise).
+  PageBuffer* param_pages = nullptr;
+  PageBuffer* grad_pages = nullptr;
 };
 
 // A model that can be split into pipeline stages (Runtime::AttachModel).
@@ -167,6 +183,11 @@ struct StepResult {
   double exposed_seconds = 0;    // time EndStep waited for communication after backward
   double optimizer_seconds = 0;  // allreduce mode: the local optimizer step
   bool skipped = false;          // allreduce mode: a non-finite gradient skipped the update
+  // The most memory this worker's copies of the parameters took during the
+  // step: the resident part of the model's parameter buffer (all of it when
+  // replicated; the segments in use when sharded) plus the runtime's own
+  // copies (the node's share of pulled partitions in hybrid mode).
+  uint64_t parameter_bytes = 0;
 };
 
 // The optimizer applied in the worker itself (allreduce mode, and the
@@ -226,6 +247,16 @@ class Runtime {
   // died) leaves the step to be retried by the next BeginStep.
   Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens);
 
+  // The sharded placement (no-ops when replicated): makes the parameters
+  // [now.first, now.second) of the stage's buffer valid (waiting for their
+  // gather from the node's workers), and starts gathering `next` (empty: none)
+  // meanwhile. Errors are the step's: the step fails. Release hands `now`'s
+  // pages back (but not those `next` is being gathered into). Every worker
+  // of a node acquires the same segments in the same order (they run the
+  // same model); outside a step too (writing the final parameters).
+  Status Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next);
+  void Release(std::pair<size_t, size_t> now);
+
   // Gives up the step begun by BeginStep when its computation failed (a
   // pipeline peer died): waits for the communication already started, and
   // the next BeginStep resynchronises in a newer epoch, as after a failed
@@ -254,7 +285,13 @@ class Runtime {
   Status FinishOnCommThread();
   Status FinishBuckets();
   Result<bool> PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which);
-  void Enqueue(std::function<Status()> task);
+  struct GatherPlan;
+  GatherPlan& PlanGather(std::pair<size_t, size_t> range);
+  Status Gather(GatherPlan& plan);
+  // Queues a task for the communication thread; returns its ticket.
+  uint64_t Enqueue(std::function<Status()> task);
+  // Waits for the task of `ticket` (and those before it); the step's status.
+  Status WaitFor(uint64_t ticket);
   void CommLoop();
 
   RuntimeOptions options_;
@@ -292,6 +329,26 @@ class Runtime {
   std::vector<uint32_t> stage_contributors_;
   uint32_t contributor_ = 0;
   std::vector<std::unique_ptr<Bucket>> buckets_;  // from the end of the buffer to its start
+  // The reduce-scatter input and all-gather output of every bucket (one at a
+  // time on the communication thread), L blocks of the largest bucket.
+  std::vector<float> staging_;
+  std::vector<float> block_scratch_;  // one block: reduce-scatter output, all-gather input
+  // Sharded placement.
+  bool sharded_ = false;
+  PageBuffer* param_pages_ = nullptr;
+  PageBuffer* grad_pages_ = nullptr;
+  struct PartitionPlace {
+    Bucket* bucket = nullptr;  // null: not in this stage
+    size_t k = 0;              // index in the bucket
+  };
+  std::vector<PartitionPlace> places_;  // by index in the shard map
+  std::map<std::pair<size_t, size_t>, std::unique_ptr<GatherPlan>> gathers_;
+  std::vector<float> gather_send_, gather_staging_;
+  std::pair<size_t, size_t> prefetched_{0, 0};       // the range being gathered ahead
+  std::pair<size_t, size_t> prefetched_span_{0, 0};  // the elements that gather writes
+  uint64_t prefetch_ticket_ = 0;
+  uint64_t parameter_bytes_ = 0;  // the step's peak (StepResult::parameter_bytes)
+  void NoteParameterBytes();
   size_t next_bucket_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;
@@ -309,6 +366,8 @@ class Runtime {
   std::condition_variable cv_;
   std::deque<std::function<Status()>> queue_ TANDEM_GUARDED_BY(mu_);
   size_t running_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t enqueued_ TANDEM_GUARDED_BY(mu_) = 0;  // tickets handed out
+  uint64_t finished_ TANDEM_GUARDED_BY(mu_) = 0;  // tasks done (or skipped after a failure)
   Status step_status_ TANDEM_GUARDED_BY(mu_);
   double comm_busy_ TANDEM_GUARDED_BY(mu_) = 0;
   bool quit_ TANDEM_GUARDED_BY(mu_) = false;

@@ -224,7 +224,10 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
 
 // The model as the runtime binds it to pipeline stages: `s.model` becomes
 // the stage asked for (the whole model for one stage).
-ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
+// Sharded placement: the model is made without its initial values (the
+// servers get them from model::InitialValues) and reads its parameters
+// through the runtime's Acquire and Release.
+ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runtime, bool sharded) {
   ModelBinding b;
   for (const model::TensorInfo& t : model::TensorLayout(whole)) {
     v1::TensorSpec& spec = b.tensors.emplace_back();
@@ -243,15 +246,21 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
     bounds.push_back(model::PlanStages(c).back().flat_end);
     return bounds;
   };
-  b.bind = [&s, whole](int stage, int stages) -> Result<StageBuffers> {
+  b.bind = [&s, whole, runtime, sharded](int stage, int stages) -> Result<StageBuffers> {
     if (!s.model || s.model->config().pipeline_stages != stages || s.model->config().pipeline_stage != stage) {
       model::ModelConfig c = whole;
       c.pipeline_stages = stages;
       c.pipeline_stage = stage;
       s.model.reset();  // the old stage goes before the new one is made
-      auto m = model::Model::Create(c);
+      auto m = model::Model::Create(c, /*initialize=*/!sharded);
       if (!m.ok()) return m.status();
       s.model = std::make_unique<model::Model>(std::move(*m));
+      if (sharded) {
+        model::ParameterAccess access;
+        access.acquire = [runtime](model::FlatRange now, model::FlatRange next) { return runtime->Acquire(now, next); };
+        access.release = [runtime](model::FlatRange now) { runtime->Release(now); };
+        s.model->SetParameterAccess(std::move(access));
+      }
       if (stages > 1) {
         spdlog::info("pipeline stage {} of {}: blocks {}..{}{}{}, {} parameters", stage, stages,
                      s.model->stage().first_block, s.model->stage().end_block - 1,
@@ -259,9 +268,12 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole) {
                      s.model->num_parameters());
       }
     }
-    return StageBuffers{s.model->params(), s.model->grads(), s.model->Tensors(), s.model->flat_begin()};
+    return StageBuffers{s.model->params(),     s.model->grads(),         s.model->Tensors(),
+                        s.model->flat_begin(), &s.model->param_buffer(), &s.model->grad_buffer()};
   };
-  b.initial = [whole](uint64_t begin, uint64_t end, float* out) { model::InitialValues(whole, begin, end, out); };
+  // One stream for all the calls: the servers' partitions come mostly in order.
+  auto stream = std::make_shared<model::InitialValueStream>(whole);
+  b.initial = [stream](uint64_t begin, uint64_t end, float* out) { stream->Fill(begin, end, out); };
   return b;
 }
 
@@ -289,28 +301,61 @@ Status WriteParams(const std::string& path, std::span<const float> params) {
   return WriteParamsFrom(path, [&](const ParamWriter& write) { return write(params); });
 }
 
-// The whole model into train.params_out on global rank 0 (stage 0, dp rank
-// 0), which writes its stage and then each other stage as the dp-rank-0
-// worker of that stage sends it, in pieces of 4 MiB: rank 0 never holds more
-// than its stage and one piece.
-Status WriteStages(Setup& s, const StepPlan& plan, const model::ModelConfig& whole, const std::string& path) {
-  if (plan.dp_rank != 0) return Status::Ok();
+// The stage's parameters a segment at a time, in order (sharded: each
+// gathered from the node for the call and handed back after, so every
+// worker of the node calls this).
+Status ForEachParamPiece(Setup& s, Runtime& runtime, const ParamWriter& fn) {
+  for (const model::FlatRange& segment : s.model->Segments()) {
+    TANDEM_RETURN_IF_ERROR(runtime.Acquire(segment, {0, 0}));
+    Status status = fn(s.model->params().subspan(segment.first, segment.second - segment.first));
+    runtime.Release(segment);
+    TANDEM_RETURN_IF_ERROR(status);
+  }
+  return Status::Ok();
+}
+
+// The whole model into train.params_out, written by global rank 0 (stage 0,
+// dp rank 0). With pipeline stages it writes its stage and then each other
+// stage as the dp-rank-0 worker of that stage sends it, in pieces of 4 MiB:
+// rank 0 never holds more than its stage and one piece. Every worker calls
+// this.
+Status WriteFinalParams(Setup& s, Runtime& runtime, const StepPlan& plan, const model::ModelConfig& whole,
+                        const std::string& path) {
+  const ParamWriter ignore = [](std::span<const float>) { return Status::Ok(); };
+  if (plan.stages <= 1) {
+    if (plan.rank != 0) return ForEachParamPiece(s, runtime, ignore);
+    return WriteParamsFrom(path, [&](const ParamWriter& write) { return ForEachParamPiece(s, runtime, write); });
+  }
+  if (plan.dp_rank != 0) return ForEachParamPiece(s, runtime, ignore);
   constexpr size_t kPiece = size_t{1} << 20;  // floats
   comm::Communicator& pp = *plan.pipeline;
   if (plan.stage != 0) {
-    const auto params = s.model->params();
-    for (size_t at = 0; at < params.size(); at += kPiece) {
-      TANDEM_RETURN_IF_ERROR(pp.Send(0, params.data() + at, std::min(kPiece, params.size() - at), comm::DType::kFloat32)
-                                 .WithContext("sending this stage's final parameters to stage 0"));
-    }
-    return Status::Ok();
+    std::vector<float> piece;
+    piece.reserve(kPiece);
+    const auto flush = [&]() -> Status {
+      Status sent = pp.Send(0, piece.data(), piece.size(), comm::DType::kFloat32)
+                        .WithContext("sending this stage's final parameters to stage 0");
+      piece.clear();
+      return sent;
+    };
+    const ParamWriter send = [&](std::span<const float> part) -> Status {
+      while (!part.empty()) {
+        const size_t take = std::min(part.size(), kPiece - piece.size());
+        piece.insert(piece.end(), part.begin(), part.begin() + static_cast<std::ptrdiff_t>(take));
+        part = part.subspan(take);
+        if (piece.size() == kPiece) TANDEM_RETURN_IF_ERROR(flush());
+      }
+      return Status::Ok();
+    };
+    TANDEM_RETURN_IF_ERROR(ForEachParamPiece(s, runtime, send));
+    return piece.empty() ? Status::Ok() : flush();
   }
   model::ModelConfig c = whole;
   c.pipeline_stages = static_cast<int>(plan.stages);
   const auto stages = model::PlanStages(c);
   std::vector<float> piece;
   return WriteParamsFrom(path, [&](const ParamWriter& write) -> Status {
-    TANDEM_RETURN_IF_ERROR(write(s.model->params()));
+    TANDEM_RETURN_IF_ERROR(ForEachParamPiece(s, runtime, write));
     for (size_t i = 1; i < stages.size(); ++i) {
       const size_t n = stages[i].flat_end - stages[i].flat_begin;
       for (size_t at = 0; at < n; at += kPiece) {
@@ -425,6 +470,9 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
   o.Choice("train.pipeline_schedule", &c->pipeline_schedule, {"gpipe", "1f1b"},
            "with pp > 1: all forwards then all backwards (gpipe), or one forward one backward (1f1b: a stage keeps "
            "at most pp - stage micro-batches' activations)");
+  o.Choice("train.placement", &c->placement, {"replicated", "sharded"},
+           "replicated: every worker keeps all parameters; sharded (ZeRO-3, hybrid mode): each worker of a node keeps "
+           "only its parameter-server partitions and gathers a segment's parameters from the node when it needs them");
   o.Int("train.context", &c->context, "tokens (bytes) per sequence", 1, 1 << 16);
   o.Int("train.d_model", &c->d_model, "width of the model", 1, 1 << 16);
   o.Int("train.heads", &c->heads, "attention heads (divides d_model)", 1, 1 << 10);
@@ -478,6 +526,8 @@ std::vector<std::string> TrainFlags(const TrainConfig& c) {
                                 std::to_string(c.accumulation),
                                 "--train-pipeline-schedule",
                                 c.pipeline_schedule,
+                                "--train-placement",
+                                c.placement,
                                 "--train-context",
                                 std::to_string(c.context),
                                 "--train-d-model",
@@ -578,6 +628,12 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
   auto mode = ParseTrainingMode(c.mode);
   if (!mode.ok()) return mode.status();
   r.mode = *mode;
+  auto placement = ParsePlacement(c.placement);
+  if (!placement.ok()) return placement.status().WithContext("train.placement");
+  r.placement = *placement;
+  if (r.placement == Placement::kSharded && r.mode != TrainingMode::kHybrid) {
+    return InvalidArgument("train.placement sharded needs train.mode hybrid, not {}", c.mode);
+  }
   auto gw = ParseWire(c.gradient_wire, "train.gradient_wire");
   if (!gw.ok()) return gw.status();
   auto pw = ParseWire(c.parameter_wire, "train.parameter_wire");
@@ -599,10 +655,11 @@ std::string ToJson(const StepRecord& r) {
   return fmt::format(
       "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
       "\"compute_seconds\":{:.6f},\"comm_seconds\":{:.6f},\"exposed_seconds\":{:.6f},\"world_size\":{},\"rank\":{},"
-      "\"retries\":{},\"resynced\":{}{},\"time\":{:.3f}}}",
+      "\"retries\":{},\"resynced\":{},\"parameter_bytes\":{}{},\"time\":{:.3f}}}",
       r.step, r.epoch, std::isfinite(r.loss) ? fmt::format("{:.6f}", r.loss) : "null", r.tokens,
       r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0.0, r.step_seconds, r.compute_seconds,
       r.comm_seconds, r.exposed_seconds, r.world_size, r.rank, r.retries, r.resynced ? "true" : "false",
+      r.parameter_bytes,
       r.pipeline_idle.empty() ? "" : fmt::format(",\"pipeline_idle\":[{:.4f}]", fmt::join(r.pipeline_idle, ",")),
       unix_seconds);
 }
@@ -617,7 +674,8 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   auto whole = ModelConfigOf(config);
   if (!whole.ok()) return whole.status();
   Runtime runtime(*options, plane);
-  TANDEM_RETURN_IF_ERROR(runtime.AttachModel(BindingOf(*setup, *whole)));
+  TANDEM_RETURN_IF_ERROR(
+      runtime.AttachModel(BindingOf(*setup, *whole, &runtime, options->placement == Placement::kSharded)));
   std::unique_ptr<TrainMetrics> metrics;
   if (hooks.registry != nullptr) metrics = std::make_unique<TrainMetrics>(*hooks.registry);
   std::FILE* progress = nullptr;
@@ -656,7 +714,6 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
   };
   uint64_t retries = 0;
-  uint32_t rank = 0;
   uint64_t completed_step = 0;  // by this worker's knowledge
   uint64_t attempted_step = 0;
   uint64_t attempted_epoch = 0;
@@ -671,7 +728,6 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       close_progress();
       return plan.status();
     }
-    rank = plan->rank;
     if (attempted_step > completed_step && plan->step > attempted_step) {
       // The step this worker attempted failed here but was applied by the
       // servers before the membership change: it is complete, its loss
@@ -707,8 +763,10 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       idle.assign(all.begin(), all.end());
     }
     if (!share.ok()) {
-      if (plan->stages > 1 && !runtime.Fatal(share.status())) {
-        // A pipeline peer failed: the step is retried in the next epoch.
+      if (!runtime.Fatal(share.status())) {
+        // A peer failed during the computation (a pipeline stage, a worker
+        // holding part of the sharded parameters): the step is retried in
+        // the next epoch.
         ++retries;
         if (metrics) metrics->failures.Increment();
         spdlog::warn("step {} failed in epoch {} and will be retried after a resync: {}", plan->step, plan->epoch,
@@ -753,6 +811,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     record.retries = retries;
     record.resynced = plan->resynced;
     record.pipeline_idle = std::move(idle);
+    record.parameter_bytes = result->parameter_bytes;
     retries = 0;
     completed_step = record.step;
     if (metrics) {
@@ -773,10 +832,8 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   }
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());
-  if (!config.params_out.empty() && last_plan.stages > 1) {
-    TANDEM_RETURN_IF_ERROR(WriteStages(*setup, last_plan, *whole, config.params_out));
-  } else if (!config.params_out.empty() && rank == 0) {
-    TANDEM_RETURN_IF_ERROR(WriteParams(config.params_out, setup->model->params()));
+  if (!config.params_out.empty()) {
+    TANDEM_RETURN_IF_ERROR(WriteFinalParams(*setup, runtime, last_plan, *whole, config.params_out));
   }
   return Status::Ok();
 }

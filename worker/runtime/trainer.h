@@ -50,6 +50,7 @@ struct TrainConfig {
   int64_t global_batch = 16;
   int64_t accumulation = 1;                // micro-batches per rank and step (the pipeline's micro-batches when pp > 1)
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b, when the mesh has pp > 1
+  std::string placement = "replicated";    // replicated | sharded (ZeRO-3; hybrid mode)
   // The model.
   int64_t context = 64;
   int64_t d_model = 128;
@@ -104,6 +105,7 @@ struct StepRecord {
   // Pipeline parallelism (pp > 1): each stage's idle fraction of its
   // schedule (wall time not spent in forward or backward), by stage.
   std::vector<double> pipeline_idle;
+  uint64_t parameter_bytes = 0;  // StepResult::parameter_bytes of this worker
 };
 // The record as one JSON line (no newline).
 std::string ToJson(const StepRecord& record);
