@@ -32,6 +32,7 @@
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
+#include "cli/local_cluster.h"
 #include "common/process.h"
 #include "launch_util.h"
 #include "test_util.h"
@@ -126,6 +127,52 @@ void ExpectSameTraining(const Outcome& a, const Outcome& b, const std::string& o
     ++compared;
   }
   EXPECT_GE(compared, static_cast<int>(la.size()) - 2);
+}
+
+// The summary the tests compare: every key holds its own value (the JSON is
+// one long format string, where a missing placeholder would shift the rest).
+TEST(TrainProcessTest, TheSummaryJsonHasEveryKeyWithItsOwnValue) {
+  cli::RunSummary s;
+  s.completed = true;
+  s.steps = 3;
+  s.first_loss = 5.5;
+  s.last_loss = 4.25;
+  s.mode = "hybrid";
+  s.world_size = 4;
+  s.epochs = 2;
+  s.faults = 1;
+  s.workers_added = 1;
+  s.server_steps_applied = 3;
+  s.network = "loopback";
+  s.work_dir = "/tmp/w";
+  s.pipeline_stages = 2;
+  s.pipeline_schedule = "1f1b";
+  s.pipeline_idle = {0.25, 0.5};
+  s.analytic_bubble = 0.2;
+  s.peak_rss_bytes = 123456789;
+  s.worker_peak_rss_bytes = {{"worker-0", 123456789}, {"worker-1", 7}};
+  s.peak_parameter_bytes = 4242;
+  s.placement = "sharded";
+  s.losses = {5.5, std::nan(""), 4.25};
+  const YAML::Node y = YAML::Load(cli::SummaryJson(s));
+  EXPECT_TRUE(y["completed"].as<bool>());
+  EXPECT_EQ(y["steps"].as<int>(), 3);
+  EXPECT_EQ(y["mode"].as<std::string>(), "hybrid");
+  EXPECT_EQ(y["world_size"].as<int>(), 4);
+  EXPECT_EQ(y["server_steps_applied"].as<int>(), 3);
+  EXPECT_EQ(y["network"].as<std::string>(), "loopback");
+  EXPECT_EQ(y["pipeline_stages"].as<int>(), 2);
+  EXPECT_EQ(y["pipeline_schedule"].as<std::string>(), "1f1b");
+  EXPECT_EQ(y["pipeline_idle"].as<std::vector<double>>(), (std::vector<double>{0.25, 0.5}));
+  EXPECT_DOUBLE_EQ(y["analytic_bubble"].as<double>(), 0.2);
+  EXPECT_EQ(y["peak_rss_bytes"].as<uint64_t>(), 123456789u);
+  EXPECT_EQ(y["worker_peak_rss_bytes"]["worker-1"].as<uint64_t>(), 7u);
+  EXPECT_EQ(y["peak_parameter_bytes"].as<uint64_t>(), 4242u);
+  EXPECT_EQ(y["placement"].as<std::string>(), "sharded");
+  ASSERT_EQ(y["losses"].size(), 3u);
+  EXPECT_DOUBLE_EQ(y["losses"][0].as<double>(), 5.5);
+  EXPECT_TRUE(y["losses"][1].IsNull());
+  EXPECT_DOUBLE_EQ(y["losses"][2].as<double>(), 4.25);
 }
 
 TEST(TrainProcessTest, DataParallelAllReduceEqualsOneProcess) {
