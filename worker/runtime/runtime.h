@@ -14,7 +14,7 @@
 // - hybrid (default): gradients go out in buckets of whole parameter-server
 //   partitions as backward makes them ready. Inside a node the local ranks
 //   reduce-scatter each bucket so that local rank i holds the node's sum of
-//   the bucket's partitions i, i + L, i + 2L, ...; it pushes those to their
+//   the bucket's partitions whose id is i mod L; it pushes those to their
 //   servers (one contribution per node) and pulls them back once the servers
 //   applied the step; the node all-gathers the pulled parameters.
 // - ps: every worker pushes every partition itself (one contribution per
