@@ -453,19 +453,22 @@ void Model::Initialize() {
   InitialValues(config_, stage_.flat_begin, stage_.flat_end, params_.data());
 }
 
-std::vector<v1::TensorSpec> Model::Tensors() const {
+std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, size_t begin, size_t end) {
   std::vector<v1::TensorSpec> out;
-  out.reserve(layout_.size());
-  for (const TensorInfo& t : layout_) {
-    if (t.offset < stage_.flat_begin || t.offset >= stage_.flat_end) continue;
+  for (const TensorInfo& t : layout) {
+    if (t.offset < begin || t.offset >= end) continue;
     v1::TensorSpec& spec = out.emplace_back();
     spec.set_name(t.name);
     for (int64_t d : t.shape) spec.add_shape(d);
     spec.set_dtype(v1::DTYPE_FLOAT32);
     spec.set_group(t.no_decay ? "no_decay" : "");
-    spec.set_flat_offset(t.offset - stage_.flat_begin);
+    spec.set_flat_offset(t.offset - begin);
   }
   return out;
+}
+
+std::vector<v1::TensorSpec> Model::Tensors() const {
+  return TensorSpecs(layout_, stage_.flat_begin, stage_.flat_end);
 }
 
 void Model::ZeroGrads() {

@@ -130,6 +130,11 @@ struct TensorInfo {
 // for the order). REQUIRES: config.Validate().ok()
 std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
 
+// The table the parameter servers hold for the tensors that start in
+// [begin, end) of a layout (names, shapes, DTYPE_FLOAT32, group "no_decay"
+// where TensorInfo::no_decay), flat_offset relative to `begin`.
+std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, size_t begin, size_t end);
+
 // The initial values of the whole model's flat elements [begin, end) into
 // out[0, end - begin): what Model::Create gives those elements, whatever
 // stage holds them. Costs one random draw per weight before `end`.

@@ -409,10 +409,10 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
   const uint64_t before = completed_;
   TANDEM_RETURN_IF_ERROR(options_.mode == TrainingMode::kAllReduce ? ResyncAllReduce() : ResyncFromServers(view));
   synced_epoch_ = epoch;
-  spdlog::info("epoch {}: rank {} of {} (node {} of {}){}, {} mode, {} buckets; resuming after step {}{}", epoch,
-               view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
+  spdlog::info("epoch {}: rank {} of {} (node {} of {}){}, {} mode, {} placement, {} buckets; resuming after step {}{}",
+               epoch, view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
                pipelined ? fmt::format(", pipeline stage {} of {}", stage_, stages_) : "", ModeName(options_.mode),
-               buckets_.size(), completed_,
+               PlacementName(options_.placement), buckets_.size(), completed_,
                completed_ != before ? fmt::format(" (this worker had completed {})", before) : "");
   plane_.ReportStep(completed_);
   return Status::Ok();

@@ -49,8 +49,8 @@ struct Setup {
   // The cursor of step cursor_step (1-based: the batch step trains on).
   uint64_t cursor_step = 1;
   data::Cursor cursor;
-  std::vector<uint8_t> tokens, targets;
-  // Pipeline parallelism: the micro-batches of the step in flight.
+  // The micro-batches of the step in flight (all of them: a pipeline runs
+  // several at once).
   std::vector<std::vector<uint8_t>> micro_tokens, micro_targets;
 };
 
@@ -100,49 +100,74 @@ struct Share {
   std::vector<uint64_t> indices;
 };
 
-// Forward and backward of this rank's shard of the step's batch, in
-// micro-batches; on_ready follows the last micro-batch's backward.
-Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t dp_size,
-                           const std::function<void(size_t)>& on_ready) {
+// This rank's shard of the step's batch, split into micro-batches (at most
+// train.accumulation, all samples loaded into s.micro_tokens and
+// s.micro_targets). No micro-batches when the shard is empty (more ranks
+// than samples in the batch).
+struct Shard {
+  Share share;
+  uint64_t batch = 0;       // the global batch of the step
+  std::vector<int> counts;  // sequences per micro-batch
+};
+
+Result<Shard> LoadShard(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t dp_size) {
   auto cursor = CursorOf(s, step);
   if (!cursor.ok()) return cursor.status();
   auto batch = s.sampler.BatchSize(*cursor, s.global_batch);
   if (!batch.ok()) return batch.status();
   auto indices = s.sampler.Batch(*cursor, s.global_batch, dp_rank, dp_size);
   if (!indices.ok()) return indices.status();
-  Share share;
-  share.cursor = *cursor;
-  share.indices = *indices;
-  const size_t n = indices->size();
-  if (n == 0) {  // more ranks than samples in this batch: contribute zeros
-    s.model->ZeroGrads();
-    if (on_ready) on_ready(0);
-    return share;
-  }
-  const size_t T = s.dataset.context();
+  Shard shard;
+  shard.batch = *batch;
+  shard.share.cursor = *cursor;
+  shard.share.indices = std::move(*indices);
+  const auto& ids = shard.share.indices;
+  const size_t n = ids.size(), T = s.dataset.context();
   const size_t micro = std::min<size_t>(static_cast<size_t>(s.accumulation), n);
+  s.micro_tokens.resize(micro);
+  s.micro_targets.resize(micro);
   size_t begin = 0;
   for (size_t m = 0; m < micro; ++m) {
     const size_t count = n / micro + (m < n % micro ? 1 : 0);
-    s.tokens.resize(count * T);
-    s.targets.resize(count * T);
+    shard.counts.push_back(static_cast<int>(count));
+    s.micro_tokens[m].resize(count * T);
+    s.micro_targets[m].resize(count * T);
     for (size_t b = 0; b < count; ++b) {
-      const data::Sample sample = s.dataset.Get((*indices)[begin + b]);
-      std::memcpy(s.tokens.data() + b * T, sample.inputs.data(), T);
-      std::memcpy(s.targets.data() + b * T, sample.targets.data(), T);
+      const data::Sample sample = s.dataset.Get(ids[begin + b]);
+      std::memcpy(s.micro_tokens[m].data() + b * T, sample.inputs.data(), T);
+      std::memcpy(s.micro_targets[m].data() + b * T, sample.targets.data(), T);
     }
-    auto loss = s.model->Forward(s.tokens.data(), s.targets.data(), static_cast<int>(count));
+    begin += count;
+  }
+  return shard;
+}
+
+// Forward and backward of this rank's shard of the step's batch, in
+// micro-batches; on_ready follows the last micro-batch's backward.
+Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t dp_size,
+                           const std::function<void(size_t)>& on_ready) {
+  auto shard = LoadShard(s, step, dp_rank, dp_size);
+  if (!shard.ok()) return shard.status();
+  Share& share = shard->share;
+  if (shard->counts.empty()) {  // more ranks than samples in this batch: contribute zeros
+    s.model->ZeroGrads();
+    if (on_ready) on_ready(0);
+    return std::move(share);
+  }
+  const size_t micro = shard->counts.size();
+  for (size_t m = 0; m < micro; ++m) {
+    const int count = shard->counts[m];
+    auto loss = s.model->Forward(s.micro_tokens[m].data(), s.micro_targets[m].data(), count);
     if (!loss.ok()) return loss.status();
-    const double weight = static_cast<double>(count) / static_cast<double>(*batch);
+    const double weight = static_cast<double>(count) / static_cast<double>(shard->batch);
     share.loss_share += *loss * weight;
     const bool last = m + 1 == micro;
     TANDEM_RETURN_IF_ERROR(s.model->Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
                                              static_cast<float>(weight), last ? on_ready : nullptr));
-    begin += count;
   }
-  share.samples = n;
-  share.tokens = n * T;
-  return share;
+  share.samples = share.indices.size();
+  share.tokens = share.samples * s.dataset.context();
+  return std::move(share);
 }
 
 // The same through a pipeline: this stage's forward and backward of the
@@ -150,47 +175,23 @@ Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t d
 // has the loss; the samples and tokens are counted there too.
 Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSchedule schedule,
                                    const std::function<void(size_t)>& on_ready, PipelineTiming* timing) {
-  auto cursor = CursorOf(s, plan.step);
-  if (!cursor.ok()) return cursor.status();
-  auto batch = s.sampler.BatchSize(*cursor, s.global_batch);
-  if (!batch.ok()) return batch.status();
-  auto indices = s.sampler.Batch(*cursor, s.global_batch, plan.dp_rank, plan.dp_size);
-  if (!indices.ok()) return indices.status();
-  Share share;
-  share.cursor = *cursor;
-  share.indices = *indices;
-  const size_t n = indices->size();
-  if (n == 0) {  // every stage of this pp group has the same empty shard
+  auto shard = LoadShard(s, plan.step, plan.dp_rank, plan.dp_size);
+  if (!shard.ok()) return shard.status();
+  Share& share = shard->share;
+  if (shard->counts.empty()) {  // every stage of this pp group has the same empty shard
     s.model->ZeroGrads();
     if (on_ready) on_ready(0);
-    return share;
+    return std::move(share);
   }
   const int stages = static_cast<int>(plan.stages), stage = static_cast<int>(plan.stage);
   const bool last = s.model->last_stage();
   const size_t T = s.dataset.context();
-  const int micro = static_cast<int>(std::min<size_t>(static_cast<size_t>(s.accumulation), n));
-  std::vector<int> counts(static_cast<size_t>(micro));
-  s.micro_tokens.resize(static_cast<size_t>(micro));
-  s.micro_targets.resize(static_cast<size_t>(micro));
-  size_t begin = 0;
-  for (int m = 0; m < micro; ++m) {
-    const size_t count = n / static_cast<size_t>(micro) + (static_cast<size_t>(m) < n % static_cast<size_t>(micro));
-    counts[static_cast<size_t>(m)] = static_cast<int>(count);
-    auto& tokens = s.micro_tokens[static_cast<size_t>(m)];
-    auto& targets = s.micro_targets[static_cast<size_t>(m)];
-    tokens.resize(count * T);
-    targets.resize(count * T);
-    for (size_t b = 0; b < count; ++b) {
-      const data::Sample sample = s.dataset.Get((*indices)[begin + b]);
-      std::memcpy(tokens.data() + b * T, sample.inputs.data(), T);
-      std::memcpy(targets.data() + b * T, sample.targets.data(), T);
-    }
-    begin += count;
-  }
+  const std::vector<int>& counts = shard->counts;
+  const int micro = static_cast<int>(counts.size());
   const int slots = SlotsNeeded(schedule, stages, stage, micro);
   if (s.model->slots() != slots) s.model->SetSlots(slots);
   const auto weight = [&](int m) {
-    return static_cast<double>(counts[static_cast<size_t>(m)]) / static_cast<double>(*batch);
+    return static_cast<double>(counts[static_cast<size_t>(m)]) / static_cast<double>(shard->batch);
   };
   StageCompute compute;
   compute.forward = [&](int m, const float* input) -> Result<std::span<const float>> {
@@ -216,10 +217,10 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
   if (!ran.ok()) return ran.status();
   *timing = *ran;
   if (last) {
-    share.samples = n;
-    share.tokens = n * T;
+    share.samples = share.indices.size();
+    share.tokens = share.samples * T;
   }
-  return share;
+  return std::move(share);
 }
 
 // The model as the runtime binds it to pipeline stages: `s.model` becomes
@@ -229,21 +230,16 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
 // through the runtime's Acquire and Release.
 ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runtime, bool sharded) {
   ModelBinding b;
-  for (const model::TensorInfo& t : model::TensorLayout(whole)) {
-    v1::TensorSpec& spec = b.tensors.emplace_back();
-    spec.set_name(t.name);
-    for (int64_t d : t.shape) spec.add_shape(d);
-    spec.set_dtype(v1::DTYPE_FLOAT32);
-    spec.set_group(t.no_decay ? "no_decay" : "");
-    spec.set_flat_offset(t.offset);
-  }
+  const std::vector<model::TensorInfo> layout = model::TensorLayout(whole);
+  b.tensors = model::TensorSpecs(layout, 0, layout.back().offset + layout.back().size);
   b.bounds = [whole](int stages) -> Result<std::vector<size_t>> {
     model::ModelConfig c = whole;
     c.pipeline_stages = stages;
     TANDEM_RETURN_IF_ERROR(c.Validate().WithContext(fmt::format("splitting the model into pp={} stages", stages)));
+    const auto plan = model::PlanStages(c);
     std::vector<size_t> bounds;
-    for (const auto& stage : model::PlanStages(c)) bounds.push_back(stage.flat_begin);
-    bounds.push_back(model::PlanStages(c).back().flat_end);
+    for (const auto& stage : plan) bounds.push_back(stage.flat_begin);
+    bounds.push_back(plan.back().flat_end);
     return bounds;
   };
   b.bind = [&s, whole, runtime, sharded](int stage, int stages) -> Result<StageBuffers> {
