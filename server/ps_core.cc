@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include <google/protobuf/util/message_differencer.h>
 #include <spdlog/spdlog.h>
 
 #include "common/failpoint.h"
@@ -164,6 +165,7 @@ std::vector<ParameterStore::Segment> ParameterStore::SegmentsFor(uint64_t begin,
       GroupParams group = optimizer_->Group(tensors_[static_cast<int>(t)].group());
       if (!segments.empty() && segments.back().group.lr_scale == group.lr_scale &&
           segments.back().group.weight_decay == group.weight_decay &&
+          segments.back().group.in_grad_norm == group.in_grad_norm &&
           segments.back().offset + segments.back().count == at - begin) {
         segments.back().count += seg_end - at;
       } else {
@@ -174,6 +176,18 @@ std::vector<ParameterStore::Segment> ParameterStore::SegmentsFor(uint64_t begin,
     ++t;
   }
   return segments;
+}
+
+optim::GradScan ParameterStore::ScanForNorm(const float* g, size_t n, const std::vector<Segment>& segments) {
+  GradScan scan = ScanGradient(g, n);
+  if (std::all_of(segments.begin(), segments.end(), [](const Segment& s) { return s.group.in_grad_norm; })) {
+    return scan;
+  }
+  scan.sum_squares = 0;
+  for (const Segment& s : segments) {
+    if (s.group.in_grad_norm) scan.sum_squares += ScanGradient(g + s.offset, s.count).sum_squares;
+  }
+  return scan;
 }
 
 void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::ShardMap& map, uint32_t dp_size,
@@ -418,10 +432,12 @@ Status ParameterStore::Configure(const std::string& job_id,
     if (Fingerprint(tensors) != fingerprint_ || tensors.size() != tensors_.size()) {
       return FailedPrecondition("tensors: the tensor table differs from the one the job was initialised with");
     }
-    if (optimizer.SerializeAsString() != optimizer_config_.SerializeAsString()) {
+    // Compared field by field: the serialised form of a map (group_overrides)
+    // has no fixed order, so equal configurations can serialise apart.
+    if (!google::protobuf::util::MessageDifferencer::Equals(optimizer, optimizer_config_)) {
       return FailedPrecondition("optimizer: differs from the configuration the job was initialised with");
     }
-    if (normal.SerializeAsString() != consistency_.SerializeAsString()) {
+    if (!google::protobuf::util::MessageDifferencer::Equals(normal, consistency_)) {
       return FailedPrecondition("consistency: differs from the mode the job was initialised with ({})",
                                 ModeName(consistency_.mode()));
     }
@@ -966,7 +982,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
     const bool ready = part->folded == part->contributors;
     if (ready) {
       part->ready = true;
-      const GradScan scan = ScanGradient(part->acc->data(), n);
+      const GradScan scan = ScanForNorm(part->acc->data(), n, part->segments);
       part->last_share = ps::ShareEntry{h.partition, scan.finite ? 1u : 0u, scan.sum_squares};
     }
     plock.unlock();
@@ -998,7 +1014,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
   AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
   part->clocks[h.contributor] = h.step;
   counters_.staleness_last.store(part->state.step > h.step - 1 ? part->state.step - (h.step - 1) : 0);
-  const GradScan scan = ScanGradient(grad->data(), n);
+  const GradScan scan = ScanForNorm(grad->data(), n, part->segments);
   ps::Frame rep;
   rep.type = ps::FrameType::kReplica;
   rep.partition = h.partition;

@@ -69,6 +69,7 @@
 #include <string>
 #include <vector>
 
+#include "common/optimizer/gradient.h"
 #include "common/optimizer/optimizer.h"
 #include "common/optimizer/thread_pool.h"
 #include "common/ps_protocol.h"
@@ -209,6 +210,9 @@ class ParameterStore {
     uint64_t count = 0;
     optim::GroupParams group;
   };
+  // A partition's gradient: finite over all of it, the sum of squares over
+  // the segments that count in the global norm (GroupParams::in_grad_norm).
+  static optim::GradScan ScanForNorm(const float* g, size_t n, const std::vector<Segment>& segments);
   struct PendingPull {
     uint64_t from = 0;
     ps::Frame header;

@@ -224,6 +224,7 @@ Result<Optimizer> Optimizer::Create(const v1::OptimizerConfig& config) {
                                               h->weight_decay()));
       p.weight_decay = h->weight_decay();
     }
+    if (h->has_exclude_from_grad_norm()) p.in_grad_norm = !h->exclude_from_grad_norm();
     o.groups_.emplace(key, p);
   }
   return o;

@@ -45,6 +45,7 @@ namespace tandem::optim {
 struct GroupParams {
   double lr_scale = 1.0;      // multiplies the scheduled learning rate; 0 freezes the weights
   double weight_decay = 0.0;  // L2 (SGD, Adam) or decoupled (AdamW) decay factor
+  bool in_grad_norm = true;   // counts in the global gradient norm (exclude_from_grad_norm unset)
 };
 
 class Optimizer {
