@@ -9,10 +9,14 @@
 // Pipeline stages: the split is balanced and covers the flat buffer, each
 // stage initialises to the whole model's values, and stages chained by hand
 // (with micro-batches in separate slots, backward in any order) give the
-// whole model's losses and gradients bit for bit.
+// whole model's losses and gradients bit for bit. Tensor parallelism: ranks
+// computing together equal the whole model within fp32 rounding, and their
+// parts in the servers' space map back to the whole model exactly.
 #include "worker/model/model.h"
 
 #include <algorithm>
+#include <atomic>
+#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -22,8 +26,10 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 namespace tandem::model {
@@ -691,6 +697,242 @@ TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {
     c.pipeline_stages = 1;
     c.pipeline_stage = 0;
   }
+}
+
+}  // namespace
+}  // namespace tandem::model
+
+namespace tandem::model {
+namespace {
+
+// The all-reduce of ranks that are threads of one process: each rank
+// reduces every rank's data in rank order, so all get the same bits.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int n) : n_(n), barrier_(n), data_(static_cast<size_t>(n)) {}
+  TpAllReduce For(int rank) {
+    return [this, rank](float* data, size_t count, TpReduce op) {
+      data_[static_cast<size_t>(rank)] = data;
+      barrier_.arrive_and_wait();
+      std::vector<float> out(count);
+      for (size_t i = 0; i < count; ++i) {
+        float acc = data_[0][i];
+        for (int k = 1; k < n_; ++k) {
+          const float x = data_[static_cast<size_t>(k)][i];
+          acc = op == TpReduce::kSum ? acc + x : std::max(acc, x);
+        }
+        out[i] = acc;
+      }
+      barrier_.arrive_and_wait();  // everyone has read before anyone writes
+      std::copy(out.begin(), out.end(), data);
+      ++calls_;
+      return Status::Ok();
+    };
+  }
+  int calls() const { return calls_ / n_; }
+
+ private:
+  int n_;
+  std::barrier<> barrier_;
+  std::vector<float*> data_;
+  std::atomic<int> calls_{0};
+};
+
+// Element i of a rank's tensor t is this element of the whole model.
+size_t WholeElement(const TensorInfo& t, size_t i) {
+  const auto cols = static_cast<size_t>(t.col_end - t.col_begin);
+  size_t row = i / cols;
+  for (const auto& [b, e] : t.rows) {
+    if (row < static_cast<size_t>(e - b)) {
+      return t.whole_offset + (static_cast<size_t>(b) + row) * static_cast<size_t>(t.whole_cols) +
+             static_cast<size_t>(t.col_begin) + i % cols;
+    }
+    row -= static_cast<size_t>(e - b);
+  }
+  ADD_FAILURE() << t.name << " has no element " << i;
+  return 0;
+}
+
+// Tensor parallelism: T ranks (threads) computing together start from the
+// whole model's values (sliced), give the whole model's loss and, mapped
+// back through the tensor table, its gradients within fp32 rounding (the
+// only difference is the order of the all-reduced partial sums: a dot
+// product of C or 4C terms summed as T partial sums, so about T·C ulps of
+// the terms' magnitudes; 2e-5 relative to the tensor's largest gradient,
+// plus a floor, holds that with a margin and still catches any misplaced
+// or missing element, which is off by the size of a gradient). Replicated
+// tensors get equal gradients on every rank, bit for bit. Two all-reduces
+// per block go each way, plus the embeddings, the logits' maxima and sums
+// forward and ln_f's gradient backward.
+TEST(ModelTest, TensorParallelRanksEqualTheWholeModel) {
+  ModelConfig c = Tiny();
+  c.heads = 4;
+  c.layers = 2;
+  const int batch = 3, micro = 2;
+  const size_t n = size_t{batch} * 8;
+  const std::vector<uint8_t> tokens = RandomBytes(micro * n, 41), targets = RandomBytes(micro * n, 42);
+  for (bool checkpointing : {false, true}) {
+    c.activation_checkpointing = checkpointing;
+    c.tensor_parallel = 1;
+    c.tensor_rank = 0;
+    auto whole = Model::Create(c);
+    ASSERT_TRUE(whole.ok());
+    std::vector<float> want_loss;
+    for (int m = 0; m < micro; ++m) {
+      auto loss = whole->Forward(tokens.data() + m * n, targets.data() + m * n, batch);
+      ASSERT_TRUE(loss.ok());
+      want_loss.push_back(*loss);
+      ASSERT_TRUE(whole->Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 0.5f).ok());
+    }
+    for (int tp : {2, 4}) {
+      SCOPED_TRACE(fmt::format("tp={}{}", tp, checkpointing ? ", checkpointing" : ""));
+      c.tensor_parallel = tp;
+      ThreadGroup group(tp);
+      std::vector<Model> ranks;
+      for (int r = 0; r < tp; ++r) {
+        c.tensor_rank = r;
+        auto m = Model::Create(c);
+        ASSERT_TRUE(m.ok()) << m.status().ToString();
+        m->SetTensorParallel(group.For(r));
+        ranks.push_back(std::move(*m));
+      }
+      // Every rank's initial values are the whole model's, sliced.
+      for (int r = 0; r < tp; ++r) {
+        for (const TensorInfo& t : ranks[r].layout()) {
+          for (size_t i = 0; i < t.size; ++i) {
+            ASSERT_EQ(ranks[r].params()[t.offset + i], whole->params()[WholeElement(t, i)]) << t.name << " " << i;
+          }
+        }
+      }
+      std::vector<std::vector<float>> losses(static_cast<size_t>(tp));
+      std::vector<Status> failed(static_cast<size_t>(tp));
+      std::vector<std::thread> threads;
+      for (int r = 0; r < tp; ++r) {
+        threads.emplace_back([&, r] {
+          for (int m = 0; m < micro; ++m) {
+            auto loss = ranks[r].Forward(tokens.data() + m * n, targets.data() + m * n, batch);
+            if (!loss.ok()) {
+              failed[r] = loss.status();
+              return;
+            }
+            losses[r].push_back(*loss);
+            failed[r] = ranks[r].Backward(m == 0 ? GradMode::kOverwrite : GradMode::kAccumulate, 0.5f);
+            if (!failed[r].ok()) return;
+          }
+        });
+      }
+      for (auto& t : threads) t.join();
+      for (int r = 0; r < tp; ++r) {
+        ASSERT_TRUE(failed[r].ok()) << failed[r].ToString();
+        for (int m = 0; m < micro; ++m) {
+          EXPECT_NEAR(losses[r][m], want_loss[m], 2e-6f * want_loss[m]) << "rank " << r << " micro-batch " << m;
+        }
+      }
+      // 2 blocks × 2 all-reduces each way, the embeddings, the maxima and the
+      // sums; ln_f backward; with checkpointing the recomputed first block's
+      // attention all-reduce again.
+      EXPECT_EQ(group.calls(), micro * (2 * 2 + 3 + 2 * 2 + 1 + (checkpointing ? 1 : 0)));
+      for (size_t k = 0; k < ranks[0].layout().size(); ++k) {
+        const TensorInfo& t0 = ranks[0].layout()[k];
+        float largest = 0;
+        for (size_t i = 0; i < t0.whole_size; ++i) {
+          largest = std::max(largest, std::fabs(whole->grads()[t0.whole_offset + i]));
+        }
+        for (int r = 0; r < tp; ++r) {
+          const TensorInfo& t = ranks[r].layout()[k];
+          ASSERT_EQ(t.name, t0.name);
+          for (size_t i = 0; i < t.size; ++i) {
+            const float got = ranks[r].grads()[t.offset + i];
+            ASSERT_NEAR(got, whole->grads()[WholeElement(t, i)], 2e-5f * largest + 1e-9f)
+                << t.name << " element " << i << " of rank " << r;
+            if (t.replicated) {
+              ASSERT_EQ(got, ranks[0].grads()[t0.offset + i]) << t.name << " rank " << r;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The servers' space with tp=2 × pp=2: the parts one after another, each
+// initialised by InitialValueStream exactly as the model of that stage and
+// rank, and WriteWholeStage turns each stage's parts back into the whole
+// model's values at that stage's range; the tensor table names each rank's
+// copy of a tensor apart.
+TEST(ModelTest, TensorParallelPartsMapBackToTheWholeModel) {
+  ModelConfig c = Tiny();
+  c.heads = 2;
+  c.layers = 3;
+  auto whole = Model::Create(c);
+  ASSERT_TRUE(whole.ok());
+  c.tensor_parallel = 2;
+  c.pipeline_stages = 2;
+  const std::vector<size_t> bounds = PartBounds(c);
+  ASSERT_EQ(bounds.size(), 5u);
+  const std::vector<TensorInfo> server = ServerLayout(c);
+  EXPECT_EQ(server.back().offset + server.back().size, bounds.back());
+  std::set<std::string> names;
+  for (const TensorInfo& t : server) EXPECT_TRUE(names.insert(t.name).second) << t.name;
+  EXPECT_TRUE(names.contains("wte.weight@tp1"));
+  EXPECT_TRUE(names.contains("blocks.2.ln1.weight@tp0"));
+  // The replicated tensors twice, the split ones once in halves.
+  size_t total = 0;
+  for (const TensorInfo& t : server) total += t.size;
+  size_t replicated = 0;
+  for (const TensorInfo& t : TensorLayout(c)) replicated += t.replicated ? t.size : 0;
+  EXPECT_EQ(total, whole->num_parameters() + replicated);
+
+  InitialValueStream stream(c);
+  std::vector<float> all(bounds.back());
+  stream.Fill(0, all.size(), all.data());
+  std::vector<float> rewritten;
+  for (int s = 0; s < 2; ++s) {
+    std::vector<std::span<const float>> parts;
+    for (int r = 0; r < 2; ++r) {
+      c.pipeline_stage = s;
+      c.tensor_rank = r;
+      auto m = Model::Create(c);
+      ASSERT_TRUE(m.ok());
+      const size_t part = static_cast<size_t>(s * 2 + r);
+      EXPECT_EQ(m->flat_begin(), bounds[part]);
+      ASSERT_EQ(m->num_parameters(), bounds[part + 1] - bounds[part]);
+      EXPECT_TRUE(std::equal(m->params().begin(), m->params().end(), all.begin() + bounds[part]))
+          << "stage " << s << " rank " << r;
+      parts.emplace_back(all.data() + bounds[part], m->num_parameters());
+      // The table the servers get for the part is ServerLayout's.
+      const auto specs = m->Tensors();
+      ASSERT_FALSE(specs.empty());
+      EXPECT_TRUE(specs.front().name().ends_with(fmt::format("@tp{}", r)));
+    }
+    ASSERT_TRUE(WriteWholeStage(c, s, parts, [&](std::span<const float> piece) {
+                  rewritten.insert(rewritten.end(), piece.begin(), piece.end());
+                  return Status::Ok();
+                }).ok());
+  }
+  ASSERT_EQ(rewritten.size(), whole->num_parameters());
+  EXPECT_EQ(std::memcmp(rewritten.data(), whole->params().data(), whole->params().size_bytes()), 0);
+  // A stream asked in pieces, one behind another, gives the same.
+  InitialValueStream pieces(c);
+  for (const auto& [b, e] : std::vector<std::pair<size_t, size_t>>{{5, 900}, {900, bounds[3]}, {1, 2}}) {
+    std::vector<float> out(e - b);
+    pieces.Fill(b, e, out.data());
+    EXPECT_TRUE(std::equal(out.begin(), out.end(), all.begin() + static_cast<std::ptrdiff_t>(b))) << b << " " << e;
+  }
+  // Bad splits are refused naming the field.
+  c.tensor_rank = 0;
+  c.tensor_parallel = 3;
+  EXPECT_EQ(c.Validate().code(), StatusCode::kInvalidArgument);
+  c.tensor_parallel = 4;  // 2 heads
+  EXPECT_NE(c.Validate().message().find("heads"), std::string::npos);
+  // Without the group's all-reduce a rank refuses to compute.
+  c.tensor_parallel = 2;
+  c.pipeline_stages = 1;
+  c.pipeline_stage = 0;
+  auto lone = Model::Create(c);
+  ASSERT_TRUE(lone.ok());
+  const std::vector<uint8_t> tokens = RandomBytes(8, 3);
+  EXPECT_EQ(lone->Forward(tokens.data(), tokens.data(), 1).status().code(), StatusCode::kFailedPrecondition);
 }
 
 }  // namespace

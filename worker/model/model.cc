@@ -68,14 +68,18 @@ namespace {
 constexpr float kLnEps = 1e-5f;
 constexpr int64_t kMaxParameters = int64_t{1} << 31;  // BLAS dimensions are ints
 
-// out[N, OC] = inp[N, IC] · w[OC, IC]ᵀ + b
-void LinearForward(float* out, const float* inp, const float* w, const float* b, int n, int ic, int oc) {
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, oc, ic, 1.0f, inp, ic, w, ic, 0.0f, out, oc);
-  if (b == nullptr) return;
+// out[N, OC] += b
+void AddBias(float* out, const float* b, int n, int oc) {
   for (int i = 0; i < n; ++i) {
     float* row = out + static_cast<size_t>(i) * oc;
     for (int o = 0; o < oc; ++o) row[o] += b[o];
   }
+}
+
+// out[N, OC] = inp[N, IC] · w[OC, IC]ᵀ + b
+void LinearForward(float* out, const float* inp, const float* w, const float* b, int n, int ic, int oc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, oc, ic, 1.0f, inp, ic, w, ic, 0.0f, out, oc);
+  if (b != nullptr) AddBias(out, b, n, oc);
 }
 
 // dinp = dout · w (overwritten); dw += doutᵀ · inp; db += Σ rows of dout.
@@ -253,6 +257,24 @@ Status ModelConfig::Validate() const {
     return InvalidArgument("model pipeline_stage: must be 0 to pipeline_stages - 1 ({}), got {}", pipeline_stages - 1,
                            pipeline_stage);
   }
+  if (tensor_parallel < 1 || tensor_parallel > 1024) {
+    return InvalidArgument("model tensor_parallel: must be 1 to 1024, got {}", tensor_parallel);
+  }
+  if (heads % tensor_parallel != 0) {
+    return InvalidArgument(
+        "model tensor_parallel: must divide the attention heads ({}): each rank computes whole heads, got {}", heads,
+        tensor_parallel);
+  }
+  if (vocab % tensor_parallel != 0) {
+    return InvalidArgument(
+        "model tensor_parallel: must divide the vocabulary ({}): each rank holds an equal slice of the embedding and "
+        "the head, got {}",
+        vocab, tensor_parallel);
+  }
+  if (tensor_rank < 0 || tensor_rank >= tensor_parallel) {
+    return InvalidArgument("model tensor_rank: must be 0 to tensor_parallel - 1 ({}), got {}", tensor_parallel - 1,
+                           tensor_rank);
+  }
   if (blas_threads < 0 || blas_threads > 1024) {
     return InvalidArgument("model blas_threads: must be 0 (leave as is) to 1024, got {}", blas_threads);
   }
@@ -265,13 +287,27 @@ Status ModelConfig::Validate() const {
   return Status::Ok();
 }
 
-std::vector<TensorInfo> TensorLayout(const ModelConfig& config) {
+namespace {
+
+// The whole model's tensor table (whatever the tensor rank).
+std::vector<TensorInfo> WholeLayout(const ModelConfig& config) {
   std::vector<TensorInfo> out;
   size_t offset = 0;
   auto add = [&](std::string name, std::vector<int64_t> shape, bool no_decay) {
     size_t size = 1;
     for (int64_t d : shape) size *= static_cast<size_t>(d);
-    out.push_back(TensorInfo{std::move(name), std::move(shape), offset, size, no_decay});
+    TensorInfo& info = out.emplace_back();
+    info.name = std::move(name);
+    info.shape = std::move(shape);
+    info.offset = offset;
+    info.size = size;
+    info.no_decay = no_decay;
+    // All of the whole tensor.
+    info.whole_offset = offset;
+    info.whole_size = size;
+    info.whole_cols = info.shape.size() > 1 ? info.shape[1] : 1;
+    info.rows = {{0, info.shape[0]}};
+    info.col_end = info.whole_cols;
     offset += size;
   };
   const int64_t v = config.vocab, t = config.context, c = config.d_model, f = int64_t{config.mlp_ratio} * c;
@@ -296,6 +332,150 @@ std::vector<TensorInfo> TensorLayout(const ModelConfig& config) {
   add("ln_f.bias", {c}, true);
   add("head.weight", {v, c}, false);
   return out;
+}
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Cuts a whole tensor to tensor rank r of tp (Megatron's split; see model.h).
+void Slice(TensorInfo& t, const ModelConfig& config) {
+  const int64_t tp = config.tensor_parallel, r = config.tensor_rank;
+  if (tp == 1) return;
+  const int64_t c = config.d_model, rows = t.shape[0];
+  const auto split_rows = [&] {
+    const int64_t n = rows / tp;
+    t.rows = {{r * n, (r + 1) * n}};
+  };
+  if (t.name == "wte.weight" || t.name == "head.weight" || EndsWith(t.name, "mlp.fc.weight") ||
+      EndsWith(t.name, "mlp.fc.bias")) {
+    split_rows();  // vocabulary-parallel, or column-parallel
+  } else if (EndsWith(t.name, "attn.qkv.weight") || EndsWith(t.name, "attn.qkv.bias")) {
+    const int64_t n = c / tp;  // the rank's heads, in each of q, k and v
+    t.rows = {{r * n, (r + 1) * n}, {c + r * n, c + (r + 1) * n}, {2 * c + r * n, 2 * c + (r + 1) * n}};
+  } else if (EndsWith(t.name, "attn.proj.weight") || EndsWith(t.name, "mlp.proj.weight")) {
+    const int64_t n = t.whole_cols / tp;  // row-parallel: the columns of the rank's inputs
+    t.col_begin = r * n;
+    t.col_end = (r + 1) * n;
+  } else {
+    return;  // replicated
+  }
+  t.replicated = false;
+  int64_t kept_rows = 0;
+  for (const auto& [b, e] : t.rows) kept_rows += e - b;
+  if (t.shape.size() > 1) {
+    t.shape = {kept_rows, t.col_end - t.col_begin};
+  } else {
+    t.shape = {kept_rows};
+  }
+  t.size = static_cast<size_t>(kept_rows * (t.col_end - t.col_begin));
+}
+
+// The whole model's element of element i of a (sliced) tensor.
+size_t WholeIndex(const TensorInfo& t, size_t i) {
+  const auto cols = static_cast<size_t>(t.col_end - t.col_begin);
+  size_t row = i / cols;
+  const size_t col = i % cols;
+  for (const auto& [b, e] : t.rows) {
+    const auto n = static_cast<size_t>(e - b);
+    if (row < n) {
+      return t.whole_offset + (static_cast<size_t>(b) + row) * static_cast<size_t>(t.whole_cols) +
+             static_cast<size_t>(t.col_begin) + col;
+    }
+    row -= n;
+  }
+  return t.whole_offset + t.whole_size;  // unreachable for i < t.size
+}
+
+}  // namespace
+
+std::vector<TensorInfo> TensorLayout(const ModelConfig& config) {
+  std::vector<TensorInfo> out = WholeLayout(config);
+  if (config.tensor_parallel == 1) return out;
+  size_t offset = 0;
+  for (TensorInfo& t : out) {
+    Slice(t, config);
+    t.offset = offset;
+    offset += t.size;
+  }
+  return out;
+}
+
+std::vector<TensorInfo> ServerLayout(const ModelConfig& config) {
+  const int tp = config.tensor_parallel;
+  if (tp == 1) return TensorLayout(config);
+  std::vector<TensorInfo> out;
+  size_t base = 0;
+  for (int s = 0; s < config.pipeline_stages; ++s) {
+    for (int r = 0; r < tp; ++r) {
+      ModelConfig c = config;
+      c.tensor_rank = r;
+      const StagePlan stage = PlanStages(c)[static_cast<size_t>(s)];
+      for (TensorInfo t : TensorLayout(c)) {
+        if (t.offset < stage.flat_begin || t.offset >= stage.flat_end) continue;
+        t.offset = base + (t.offset - stage.flat_begin);
+        t.name += fmt::format("@tp{}", r);
+        t.copy = t.replicated && r > 0;
+        out.push_back(std::move(t));
+      }
+      base += stage.flat_end - stage.flat_begin;
+    }
+  }
+  return out;
+}
+
+std::vector<size_t> PartBounds(const ModelConfig& config) {
+  std::vector<size_t> bounds = {0};
+  for (int s = 0; s < config.pipeline_stages; ++s) {
+    for (int r = 0; r < config.tensor_parallel; ++r) {
+      ModelConfig c = config;
+      c.tensor_rank = r;
+      const StagePlan stage = PlanStages(c)[static_cast<size_t>(s)];
+      bounds.push_back(bounds.back() + (stage.flat_end - stage.flat_begin));
+    }
+  }
+  return bounds;
+}
+
+Status WriteWholeStage(const ModelConfig& config, int stage, const std::vector<std::span<const float>>& parts,
+                       const std::function<Status(std::span<const float>)>& write) {
+  const int tp = config.tensor_parallel;
+  if (stage < 0 || stage >= config.pipeline_stages || parts.size() != static_cast<size_t>(tp)) {
+    return InvalidArgument("writing the whole model's stage {} of {}: {} tensor-parallel parts for tp={}", stage,
+                           config.pipeline_stages, parts.size(), tp);
+  }
+  // Each rank's tensors of the stage, in the whole model's order.
+  std::vector<std::vector<TensorInfo>> ranks(static_cast<size_t>(tp));
+  for (int r = 0; r < tp; ++r) {
+    ModelConfig c = config;
+    c.tensor_rank = r;
+    const StagePlan plan = PlanStages(c)[static_cast<size_t>(stage)];
+    if (parts[static_cast<size_t>(r)].size() != plan.flat_end - plan.flat_begin) {
+      return InvalidArgument("writing the whole model's stage {}: rank {}'s part has {} elements, not {}", stage, r,
+                             parts[static_cast<size_t>(r)].size(), plan.flat_end - plan.flat_begin);
+    }
+    for (TensorInfo t : TensorLayout(c)) {
+      if (t.offset < plan.flat_begin || t.offset >= plan.flat_end) continue;
+      t.offset -= plan.flat_begin;
+      ranks[static_cast<size_t>(r)].push_back(std::move(t));
+    }
+  }
+  std::vector<float> whole;
+  for (size_t k = 0; k < ranks[0].size(); ++k) {
+    const TensorInfo& first = ranks[0][k];
+    if (first.replicated) {
+      TANDEM_RETURN_IF_ERROR(write(parts[0].subspan(first.offset, first.size)));
+      continue;
+    }
+    whole.assign(first.whole_size, 0.0f);
+    for (int r = 0; r < tp; ++r) {
+      const TensorInfo& t = ranks[static_cast<size_t>(r)][k];
+      const float* from = parts[static_cast<size_t>(r)].data() + t.offset;
+      for (size_t i = 0; i < t.size; ++i) whole[WholeIndex(t, i) - t.whole_offset] = from[i];
+    }
+    TANDEM_RETURN_IF_ERROR(write(whole));
+  }
+  return Status::Ok();
 }
 
 std::vector<StagePlan> PlanStages(const ModelConfig& config) {
@@ -356,7 +536,11 @@ void SetBlasThreads(int threads) {
 }
 
 Model::Model(const ModelConfig& config)
-    : config_(config), layout_(TensorLayout(config)), stage_(PlanStages(config)[config.pipeline_stage]) {
+    : config_(config),
+      layout_(TensorLayout(config)),
+      stage_(PlanStages(config)[static_cast<size_t>(config.pipeline_stage)]),
+      part_begin_(PartBounds(
+          config)[static_cast<size_t>(config.pipeline_stage * config.tensor_parallel + config.tensor_rank)]) {
   const size_t n = stage_.flat_end - stage_.flat_begin;
   params_ = PageBuffer(n);
   grads_ = PageBuffer(n);
@@ -401,11 +585,32 @@ std::vector<FlatRange> Model::Segments() const {
 }
 
 InitialValueStream::InitialValueStream(const ModelConfig& config)
-    : config_(config), layout_(TensorLayout(config)), normal_(std::make_unique<Normal>(config.seed)) {}
+    : config_(config), layout_(ServerLayout(config)), normal_(std::make_unique<Normal>(config.seed)) {
+  if (config.tensor_parallel > 1) {
+    ModelConfig whole = config;
+    whole.tensor_parallel = 1;
+    whole.tensor_rank = 0;
+    whole_ = std::make_unique<InitialValueStream>(whole);
+  }
+}
 
 InitialValueStream::~InitialValueStream() = default;
 
 void InitialValueStream::Fill(size_t begin, size_t end, float* out) {
+  if (whole_) {
+    // Each part's slices are cut from the whole tensor's values.
+    for (const TensorInfo& t : layout_) {
+      const size_t lo = std::max(begin, t.offset), hi = std::min(end, t.offset + t.size);
+      if (lo >= hi) continue;
+      if (cached_offset_ != t.whole_offset) {
+        cached_.resize(t.whole_size);
+        whole_->Fill(t.whole_offset, t.whole_offset + t.whole_size, cached_.data());
+        cached_offset_ = t.whole_offset;
+      }
+      for (size_t i = lo; i < hi; ++i) out[i - begin] = cached_[WholeIndex(t, i - t.offset) - t.whole_offset];
+    }
+    return;
+  }
   if (begin < position_) {  // behind the stream: start it again
     normal_ = std::make_unique<Normal>(config_.seed);
     position_ = 0;
@@ -450,7 +655,7 @@ void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* o
 }
 
 void Model::Initialize() {
-  InitialValues(config_, stage_.flat_begin, stage_.flat_end, params_.data());
+  InitialValues(config_, part_begin_, part_begin_ + params_.size(), params_.data());
 }
 
 std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, size_t begin, size_t end) {
@@ -461,14 +666,15 @@ std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, s
     spec.set_name(t.name);
     for (int64_t d : t.shape) spec.add_shape(d);
     spec.set_dtype(v1::DTYPE_FLOAT32);
-    spec.set_group(t.no_decay ? "no_decay" : "");
+    spec.set_group(t.copy ? "tp_copy" : t.no_decay ? "no_decay" : "");
     spec.set_flat_offset(t.offset - begin);
   }
   return out;
 }
 
 std::vector<v1::TensorSpec> Model::Tensors() const {
-  return TensorSpecs(layout_, stage_.flat_begin, stage_.flat_end);
+  if (tp() == 1) return TensorSpecs(layout_, stage_.flat_begin, stage_.flat_end);
+  return TensorSpecs(ServerLayout(config_), part_begin_, part_begin_ + params_.size());
 }
 
 void Model::ZeroGrads() {
@@ -520,8 +726,9 @@ void Model::EnsureWorkspace(int batch) {
   batch_ = batch;
   const size_t L = static_cast<size_t>(stage_.end_block - stage_.first_block), B = static_cast<size_t>(batch);
   const size_t T = static_cast<size_t>(config_.context), C = static_cast<size_t>(config_.d_model);
-  const size_t H = static_cast<size_t>(config_.heads), V = static_cast<size_t>(config_.vocab);
-  const size_t F = static_cast<size_t>(config_.mlp_ratio) * C, N = B * T;
+  // This rank's widths (the whole model's without tensor parallelism).
+  const size_t Cl = static_cast<size_t>(width_local()), H = static_cast<size_t>(heads_local());
+  const size_t V = static_cast<size_t>(vocab_local()), F = static_cast<size_t>(hidden_local()), N = B * T;
   const size_t slots = config_.activation_checkpointing ? 1 : L;
   const size_t head = stage_.head ? 1 : 0;
   Reallocate(tokens_, N);
@@ -530,9 +737,9 @@ void Model::EnsureWorkspace(int batch) {
   Reallocate(ln1_, slots * N * C);
   Reallocate(ln1_mean_, slots * N);
   Reallocate(ln1_rstd_, slots * N);
-  Reallocate(qkv_, slots * N * 3 * C);
+  Reallocate(qkv_, slots * N * 3 * Cl);
   Reallocate(att_, slots * B * H * T * T);
-  Reallocate(atty_, slots * N * C);
+  Reallocate(atty_, slots * N * Cl);
   Reallocate(res_att_, slots * N * C);
   Reallocate(ln2_, slots * N * C);
   Reallocate(ln2_mean_, slots * N);
@@ -547,11 +754,12 @@ void Model::EnsureWorkspace(int batch) {
   Reallocate(probs_, head * N * V);
   Reallocate(dres_, N * C);
   Reallocate(dln_, N * C);
-  Reallocate(datty_, N * C);
-  Reallocate(dqkv_, N * 3 * C);
+  Reallocate(datty_, N * Cl);
+  Reallocate(dqkv_, N * 3 * Cl);
   Reallocate(dfch_, N * F);
   Reallocate(datt_, T * T);
   Reallocate(dlogits_, head * N * V);
+  if (tp() > 1 && stage_.head && tp_scratch_.size() < 3 * N) tp_scratch_.resize(3 * N);
 }
 
 void Model::Swap(Workspace& w) {
@@ -635,16 +843,17 @@ size_t Model::activation_bytes() const {
 
 Model::BlockActivations Model::Activations(int l) {
   const size_t slot = config_.activation_checkpointing ? 0 : static_cast<size_t>(l - stage_.first_block);
-  const size_t C = static_cast<size_t>(config_.d_model), F = static_cast<size_t>(config_.mlp_ratio) * C;
-  const size_t T = static_cast<size_t>(config_.context), H = static_cast<size_t>(config_.heads);
+  const size_t C = static_cast<size_t>(config_.d_model), F = static_cast<size_t>(hidden_local());
+  const size_t Cl = static_cast<size_t>(width_local());
+  const size_t T = static_cast<size_t>(config_.context), H = static_cast<size_t>(heads_local());
   const size_t N = static_cast<size_t>(batch_) * T;
   return BlockActivations{
       .ln1 = ln1_.data() + slot * N * C,
       .ln1_mean = ln1_mean_.data() + slot * N,
       .ln1_rstd = ln1_rstd_.data() + slot * N,
-      .qkv = qkv_.data() + slot * N * 3 * C,
+      .qkv = qkv_.data() + slot * N * 3 * Cl,
       .att = att_.data() + slot * static_cast<size_t>(batch_) * H * T * T,
-      .atty = atty_.data() + slot * N * C,
+      .atty = atty_.data() + slot * N * Cl,
       .res_att = res_att_.data() + slot * N * C,
       .ln2 = ln2_.data() + slot * N * C,
       .ln2_mean = ln2_mean_.data() + slot * N,
@@ -654,18 +863,37 @@ Model::BlockActivations Model::Activations(int l) {
   };
 }
 
-void Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input) {
-  const int T = config_.context, C = config_.d_model, H = config_.heads, F = config_.mlp_ratio * C;
+Status Model::TpReduceInPlace(float* data, size_t count, TpReduce op, const char* what) {
+  if (tp() == 1) return Status::Ok();
+  if (!all_reduce_) {
+    return FailedPrecondition("model: tensor-parallel rank {} of {} has no all-reduce (SetTensorParallel) for {}",
+                              config_.tensor_rank, tp(), what);
+  }
+  return all_reduce_(data, count, op).WithContext(fmt::format("tensor-parallel all-reduce of {}", what));
+}
+
+// A row-parallel layer's output: the rank's partial product (no bias),
+// summed over the tp group, then the bias (replicated) added, as the whole
+// model's LinearForward adds it after its product.
+Status Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input) {
+  const int T = config_.context, C = config_.d_model, H = heads_local(), F = hidden_local(), Cl = width_local();
   const size_t N = static_cast<size_t>(batch_) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
   LayerNormForward(a.ln1, a.ln1_mean, a.ln1_rstd, input, w.ln1_w, w.ln1_b, n, C);
-  LinearForward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, n, C, 3 * C);
-  AttentionForward(a.atty, a.att, a.qkv, batch_, T, C, H);
-  LinearForward(a.res_att, a.atty, w.proj_w, w.proj_b, n, C, C);
+  LinearForward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, n, C, 3 * Cl);
+  AttentionForward(a.atty, a.att, a.qkv, batch_, T, Cl, H);
+  if (tp() == 1) {
+    LinearForward(a.res_att, a.atty, w.proj_w, w.proj_b, n, C, C);
+  } else {
+    LinearForward(a.res_att, a.atty, w.proj_w, nullptr, n, Cl, C);
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(a.res_att, N * static_cast<size_t>(C), TpReduce::kSum, "attn.proj"));
+    AddBias(a.res_att, w.proj_b, n, C);
+  }
   for (size_t i = 0; i < N * C; ++i) a.res_att[i] += input[i];
   LayerNormForward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res_att, w.ln2_w, w.ln2_b, n, C);
   LinearForward(a.fch, a.ln2, w.fc_w, w.fc_b, n, C, F);
   GeluForward(a.fch_gelu, a.fch, N * F);
+  return Status::Ok();
 }
 
 namespace {
@@ -706,8 +934,12 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
     return InvalidArgument("model forward: pipeline stage {} needs the previous stage's output as its input",
                            config_.pipeline_stage);
   }
+  if (tp() > 1 && !all_reduce_) {
+    return FailedPrecondition("model forward: tensor-parallel rank {} of {} has no all-reduce (SetTensorParallel)",
+                              config_.tensor_rank, tp());
+  }
   const int T = config_.context, C = config_.d_model, V = config_.vocab;
-  const int F = config_.mlp_ratio * C;
+  const int F = hidden_local(), Vl = vocab_local(), v0 = config_.tensor_rank * Vl;
   const size_t N = static_cast<size_t>(batch) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
   for (size_t i = 0; i < N; ++i) {
@@ -730,11 +962,32 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   if (stage_.embeddings) {
     TANDEM_RETURN_IF_ERROR(acquire());
     std::copy(tokens, tokens + N, tokens_.begin());
-    for (size_t i = 0; i < N; ++i) {
-      const float* te = p.wte + static_cast<size_t>(tokens[i]) * C;
-      const float* pe = p.wpe + (i % static_cast<size_t>(T)) * C;
-      float* x = encoded_.data() + i * C;
-      for (int j = 0; j < C; ++j) x[j] = te[j] + pe[j];
+    if (tp() == 1) {
+      for (size_t i = 0; i < N; ++i) {
+        const float* te = p.wte + static_cast<size_t>(tokens[i]) * C;
+        const float* pe = p.wpe + (i % static_cast<size_t>(T)) * C;
+        float* x = encoded_.data() + i * C;
+        for (int j = 0; j < C; ++j) x[j] = te[j] + pe[j];
+      }
+    } else {
+      // Vocabulary-parallel: each rank looks up the tokens of its slice
+      // (zeros for the others), the sum over the group is every token's
+      // row exactly (x + 0 = x), then the position as the whole model adds it.
+      for (size_t i = 0; i < N; ++i) {
+        float* x = encoded_.data() + i * C;
+        const int t = tokens[i] - v0;
+        if (t >= 0 && t < Vl) {
+          std::copy_n(p.wte + static_cast<size_t>(t) * C, C, x);
+        } else {
+          std::fill_n(x, C, 0.0f);
+        }
+      }
+      TANDEM_RETURN_IF_ERROR(TpReduceInPlace(encoded_.data(), N * static_cast<size_t>(C), TpReduce::kSum, "wte"));
+      for (size_t i = 0; i < N; ++i) {
+        const float* pe = p.wpe + (i % static_cast<size_t>(T)) * C;
+        float* x = encoded_.data() + i * C;
+        for (int j = 0; j < C; ++j) x[j] += pe[j];
+      }
     }
     release();
   } else {
@@ -746,8 +999,14 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
     const BlockActivations a = Activations(l);
     float* res_mlp = res_mlp_.data() + static_cast<size_t>(l - stage_.first_block) * N * C;
     TANDEM_RETURN_IF_ERROR(acquire());
-    BlockInternals(w, a, residual);
-    LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
+    TANDEM_RETURN_IF_ERROR(BlockInternals(w, a, residual));
+    if (tp() == 1) {
+      LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
+    } else {
+      LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, nullptr, n, F, C);
+      TANDEM_RETURN_IF_ERROR(TpReduceInPlace(res_mlp, N * static_cast<size_t>(C), TpReduce::kSum, "mlp.proj"));
+      AddBias(res_mlp, w.fcproj_b, n, C);
+    }
     release();
     for (size_t i = 0; i < N * C; ++i) res_mlp[i] += a.res_att[i];
     residual = res_mlp;
@@ -758,24 +1017,55 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   }
   TANDEM_RETURN_IF_ERROR(acquire());
   LayerNormForward(lnf_.data(), lnf_mean_.data(), lnf_rstd_.data(), residual, p.lnf_w, p.lnf_b, n, C);
-  LinearForward(logits_.data(), lnf_.data(), p.head_w, nullptr, n, C, V);
+  LinearForward(logits_.data(), lnf_.data(), p.head_w, nullptr, n, C, Vl);
   release();
   if (targets == nullptr) return 0.0f;
 
   // Softmax and cross-entropy; the sum over positions in double.
   double loss = 0;
-  for (size_t i = 0; i < N; ++i) {
-    const float* z = logits_.data() + i * V;
-    float* prob = probs_.data() + i * V;
-    const float mx = *std::max_element(z, z + V);
-    float sum = 0;
-    for (int j = 0; j < V; ++j) {
-      prob[j] = std::exp(z[j] - mx);
-      sum += prob[j];
+  if (tp() > 1) {
+    // Vocabulary-parallel: each row's maximum over the group, then its sum
+    // of exponentials and its target's logit (from the rank that holds it).
+    float* mx = tp_scratch_.data();
+    float* sums = mx + N;  // [N] sums of exponentials, [N] target logit - maximum
+    for (size_t i = 0; i < N; ++i) {
+      const float* z = logits_.data() + i * Vl;
+      mx[i] = *std::max_element(z, z + Vl);
     }
-    const float inv = 1.0f / sum;
-    for (int j = 0; j < V; ++j) prob[j] *= inv;
-    loss -= static_cast<double>(z[targets[i]] - mx) - std::log(static_cast<double>(sum));
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(mx, N, TpReduce::kMax, "the logits' maxima"));
+    for (size_t i = 0; i < N; ++i) {
+      const float* z = logits_.data() + i * Vl;
+      float* prob = probs_.data() + i * Vl;
+      float sum = 0;
+      for (int j = 0; j < Vl; ++j) {
+        prob[j] = std::exp(z[j] - mx[i]);
+        sum += prob[j];
+      }
+      sums[i] = sum;
+      const int t = targets[i] - v0;
+      sums[N + i] = t >= 0 && t < Vl ? z[t] - mx[i] : 0.0f;
+    }
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(sums, 2 * N, TpReduce::kSum, "the softmax sums"));
+    for (size_t i = 0; i < N; ++i) {
+      float* prob = probs_.data() + i * Vl;
+      const float inv = 1.0f / sums[i];
+      for (int j = 0; j < Vl; ++j) prob[j] *= inv;
+      loss -= static_cast<double>(sums[N + i]) - std::log(static_cast<double>(sums[i]));
+    }
+  } else {
+    for (size_t i = 0; i < N; ++i) {
+      const float* z = logits_.data() + i * V;
+      float* prob = probs_.data() + i * V;
+      const float mx = *std::max_element(z, z + V);
+      float sum = 0;
+      for (int j = 0; j < V; ++j) {
+        prob[j] = std::exp(z[j] - mx);
+        sum += prob[j];
+      }
+      const float inv = 1.0f / sum;
+      for (int j = 0; j < V; ++j) prob[j] *= inv;
+      loss -= static_cast<double>(z[targets[i]] - mx) - std::log(static_cast<double>(sum));
+    }
   }
   std::copy(targets, targets + N, targets_.begin());
   have_targets_ = true;
@@ -795,10 +1085,14 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     return InvalidArgument("model backward: pipeline stage {} needs the gradient of its output",
                            config_.pipeline_stage);
   }
+  if (tp() > 1 && !all_reduce_) {
+    return FailedPrecondition("model backward: tensor-parallel rank {} of {} has no all-reduce (SetTensorParallel)",
+                              config_.tensor_rank, tp());
+  }
   have_targets_ = false;
   if (mode == GradMode::kOverwrite) ZeroGrads();
-  const int B = batch_, T = config_.context, C = config_.d_model, H = config_.heads, V = config_.vocab;
-  const int F = config_.mlp_ratio * C;
+  const int B = batch_, T = config_.context, C = config_.d_model, H = heads_local(), V = vocab_local();
+  const int F = hidden_local(), Cl = width_local(), v0 = config_.tensor_rank * V;
   const size_t N = static_cast<size_t>(B) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
   const TensorViews p = Bind(params_.data());
@@ -827,10 +1121,12 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
       const float* prob = probs_.data() + i * V;
       float* d = dlogits_.data() + i * V;
       for (int j = 0; j < V; ++j) d[j] = k * prob[j];
-      d[targets_[i]] -= k;
+      const int t = targets_[i] - v0;
+      if (t >= 0 && t < V) d[t] -= k;
     }
     TANDEM_RETURN_IF_ERROR(acquire());
     LinearBackward(dln_.data(), g.head_w, nullptr, dlogits_.data(), lnf_.data(), p.head_w, n, C, V);
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(dln_.data(), N * static_cast<size_t>(C), TpReduce::kSum, "ln_f's gradient"));
     std::fill(dres_.begin(), dres_.end(), 0.0f);
     const float* last = res_mlp_.data() + static_cast<size_t>(blocks - 1) * N * C;
     LayerNormBackward(dres_.data(), g.lnf_w, g.lnf_b, dln_.data(), last, p.lnf_w, lnf_mean_.data(), lnf_rstd_.data(), n,
@@ -851,26 +1147,35 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     TANDEM_RETURN_IF_ERROR(acquire());
     // The shared slot still holds the last block from Forward; the others
     // are recomputed from their inputs.
-    if (config_.activation_checkpointing && l != stage_.end_block - 1) BlockInternals(w, a, residual);
+    if (config_.activation_checkpointing && l != stage_.end_block - 1) {
+      TANDEM_RETURN_IF_ERROR(BlockInternals(w, a, residual));
+    }
 
+    // Row-parallel layers need no communication backwards (their output's
+    // gradient is the same on every rank); the input gradient of each
+    // column-parallel layer is the sum of the ranks' parts.
+    const size_t NC = N * static_cast<size_t>(C);
     LinearBackward(dfch_.data(), gw.fcproj_w, gw.fcproj_b, dres_.data(), a.fch_gelu, w.fcproj_w, n, F, C);
     GeluBackward(dfch_.data(), a.fch, N * F);
     LinearBackward(dln_.data(), gw.fc_w, gw.fc_b, dfch_.data(), a.ln2, w.fc_w, n, C, F);
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(dln_.data(), NC, TpReduce::kSum, "ln2's gradient"));
     LayerNormBackward(dres_.data(), gw.ln2_w, gw.ln2_b, dln_.data(), a.res_att, w.ln2_w, a.ln2_mean, a.ln2_rstd, n, C);
-    LinearBackward(datty_.data(), gw.proj_w, gw.proj_b, dres_.data(), a.atty, w.proj_w, n, C, C);
-    AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), a.qkv, a.att, B, T, C, H);
-    LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), a.ln1, w.qkv_w, n, C, 3 * C);
+    LinearBackward(datty_.data(), gw.proj_w, gw.proj_b, dres_.data(), a.atty, w.proj_w, n, Cl, C);
+    AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), a.qkv, a.att, B, T, Cl, H);
+    LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), a.ln1, w.qkv_w, n, C, 3 * Cl);
+    TANDEM_RETURN_IF_ERROR(TpReduceInPlace(dln_.data(), NC, TpReduce::kSum, "ln1's gradient"));
     LayerNormBackward(dres_.data(), gw.ln1_w, gw.ln1_b, dln_.data(), residual, w.ln1_w, a.ln1_mean, a.ln1_rstd, n, C);
     release();
     ready(gw.ln1_w);
   }
   if (!stage_.embeddings) return Status::Ok();  // dres_ is the input's gradient (input_grad())
   for (size_t i = 0; i < N; ++i) {
-    float* dte = g.wte + static_cast<size_t>(tokens_[i]) * C;
+    const int t = tokens_[i] - v0;  // this rank's row of wte, if it holds the token's
+    float* dte = t >= 0 && t < V ? g.wte + static_cast<size_t>(t) * C : nullptr;
     float* dpe = g.wpe + (i % static_cast<size_t>(T)) * C;
     const float* d = dres_.data() + i * C;
     for (int j = 0; j < C; ++j) {
-      dte[j] += d[j];
+      if (dte != nullptr) dte[j] += d[j];
       dpe[j] += d[j];
     }
   }

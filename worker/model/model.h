@@ -56,6 +56,33 @@
 // same kernels on the same inputs as the whole model, so stages chained
 // together give bit for bit the whole model's loss and gradients.
 //
+// Tensor parallelism. With ModelConfig::tensor_parallel = T > 1 a Model is
+// rank tensor_rank of T ranks that compute each block together (Megatron's
+// pattern): attn.qkv and mlp.fc are column-parallel (each rank holds the
+// rows of its heads, or of its 1/T of the MLP's hidden units), attn.proj and
+// mlp.proj are row-parallel (the matching columns), and the embedding wte
+// and the head are vocabulary-parallel (rows [rank·V/T, (rank+1)·V/T)).
+// LayerNorms, wpe and the row-parallel biases are replicated: every rank
+// holds and updates its own copy, and since every rank computes them from
+// the same inputs their gradients and values stay equal bit for bit.
+// Forward all-reduces (sum) over the tp group the embedding lookup and the
+// output of each row-parallel layer, and the cross-entropy's row maxima
+// (max) and sums (sum); backward all-reduces the input gradient of each
+// column-parallel layer and of the head: two all-reduces per block in each
+// direction. The all-reduces go through SetTensorParallel's function, so the
+// model knows nothing of communicators; every rank of the group must call
+// Forward and Backward with the same tokens, targets and batch. Results
+// equal the whole model's up to the order of float additions in the
+// all-reduced sums (the embeddings are exact).
+//
+// A rank's tensors are those of the whole model, each cut to its slice
+// (TensorInfo says which rows and columns of the whole tensor it holds), in
+// the same order: a rank has its own flat space, split into pipeline stages
+// as the whole model is. The parameter servers hold every (stage, rank)
+// part one after another, part stage·T + rank (ServerLayout, PartBounds);
+// flat_begin() is where this model's part starts there. The tensors of a
+// part are named like the whole model's with "@tp<rank>" appended.
+//
 // Micro-batch slots. A pipeline keeps several micro-batches in flight:
 // SetSlots(n) gives the model n independent activation workspaces, and
 // Forward and Backward take the slot to use (Backward of a slot uses what
@@ -95,12 +122,17 @@ struct ModelConfig {
   // pipeline_stages (see the top of this file); 1 stage is the whole model.
   int pipeline_stages = 1;
   int pipeline_stage = 0;
+  // Tensor parallelism: this model is rank tensor_rank of tensor_parallel
+  // (see the top of this file); 1 rank is the whole model.
+  int tensor_parallel = 1;
+  int tensor_rank = 0;
 
   // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
   Status Validate() const;
 };
 
-// Which blocks and which part of the flat buffer one pipeline stage holds.
+// Which blocks and which part of the flat buffer one pipeline stage holds
+// (the flat space of the configuration's tensor rank).
 struct StagePlan {
   int first_block = 0;  // blocks [first_block, end_block)
   int end_block = 0;
@@ -120,24 +152,60 @@ std::vector<StagePlan> PlanStages(const ModelConfig& config);
 // One tensor of the flat parameter buffer.
 struct TensorInfo {
   std::string name;            // "blocks.3.attn.qkv.weight"
-  std::vector<int64_t> shape;  // outermost first
+  std::vector<int64_t> shape;  // outermost first (a tensor-parallel rank's slice)
   size_t offset = 0;           // first element in the flat buffer
   size_t size = 0;             // elements
   bool no_decay = false;       // biases, LayerNorm parameters, embeddings
+  // Which elements of the whole model's tensor these are, the whole tensor
+  // seen as [rows, whole_cols] (a vector as [n, 1]): the rows of `rows`
+  // (ranges, concatenated in order) and of each the columns [col_begin,
+  // col_end). All of it (replicated) without tensor parallelism.
+  size_t whole_offset = 0;  // the whole tensor's first element in the whole model
+  size_t whole_size = 0;
+  int64_t whole_cols = 1;
+  std::vector<std::pair<int64_t, int64_t>> rows;
+  int64_t col_begin = 0;
+  int64_t col_end = 1;
+  bool replicated = true;
+  // In ServerLayout, a replicated tensor's copy on a tensor rank above 0:
+  // group "tp_copy", whose gradients do not count in the global gradient
+  // norm again (the trainer's optimizer configures the group).
+  bool copy = false;
 };
 
-// The tensor table of a configuration, in flat-buffer order (see the .cc file
+// The tensor table of a configuration's tensor rank (the whole model's
+// without tensor parallelism), in its flat-buffer order (see the .cc file
 // for the order). REQUIRES: config.Validate().ok()
 std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
 
+// What the parameter servers hold: every (pipeline stage, tensor rank) part
+// of the configuration's split, part stage·tensor_parallel + rank after
+// part, offsets in that space, names with "@tp<rank>" when tensor_parallel
+// > 1. The same as TensorLayout without tensor parallelism.
+std::vector<TensorInfo> ServerLayout(const ModelConfig& config);
+// Where each part begins in ServerLayout's space, and the end (parts + 1
+// ascending offsets).
+std::vector<size_t> PartBounds(const ModelConfig& config);
+
+// Writes the whole model's parameters of pipeline stage `stage` (the tensors
+// of its blocks, and the embeddings or the head where it has them), in the
+// whole model's flat order and tensor by tensor, from the stage's
+// tensor-parallel parts: parts[r] is rank r's part (ServerLayout's elements
+// of part stage·T + r). Replicated tensors come from rank 0's part.
+Status WriteWholeStage(const ModelConfig& config, int stage, const std::vector<std::span<const float>>& parts,
+                       const std::function<Status(std::span<const float>)>& write);
+
 // The table the parameter servers hold for the tensors that start in
-// [begin, end) of a layout (names, shapes, DTYPE_FLOAT32, group "no_decay"
-// where TensorInfo::no_decay), flat_offset relative to `begin`.
+// [begin, end) of a layout (names, shapes, DTYPE_FLOAT32, group "tp_copy"
+// where TensorInfo::copy, else "no_decay" where TensorInfo::no_decay),
+// flat_offset relative to `begin`.
 std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, size_t begin, size_t end);
 
-// The initial values of the whole model's flat elements [begin, end) into
+// The initial values of ServerLayout's flat elements [begin, end) into
 // out[0, end - begin): what Model::Create gives those elements, whatever
-// stage holds them. Costs one random draw per weight before `end`.
+// stage and rank hold them (the whole model's values, sliced). Costs one
+// random draw per weight before `end` (before the end of the tensors
+// involved, once per part, with tensor parallelism).
 // REQUIRES: config.Validate().ok(), begin <= end <= the parameter count.
 void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out);
 
@@ -157,7 +225,17 @@ class InitialValueStream {
   std::unique_ptr<Normal> normal_;
   size_t position_ = 0;  // the next element the stream gives
   size_t tensor_ = 0;    // the tensor holding it
+  // Tensor parallelism: the whole model's stream, and the last whole tensor
+  // it gave (the slices of the parts are cut from it).
+  std::unique_ptr<InitialValueStream> whole_;
+  std::vector<float> cached_;
+  size_t cached_offset_ = SIZE_MAX;
 };
+
+// The all-reduce of a tensor-parallel model (Model::SetTensorParallel):
+// every rank of the tp group reduces data[0, count) in place, elementwise.
+enum class TpReduce { kSum, kMax };
+using TpAllReduce = std::function<Status(float* data, size_t count, TpReduce op)>;
 
 // Sets the number of threads the BLAS library uses, process-wide. A no-op
 // when the BLAS found at build time has no such setting (not OpenBLAS).
@@ -202,7 +280,8 @@ class Model {
   size_t num_parameters() const { return params_.size(); }
   // This stage (the whole model when there is one stage).
   const StagePlan& stage() const { return stage_; }
-  size_t flat_begin() const { return stage_.flat_begin; }
+  // Where this model's part starts in the servers' space (ServerLayout).
+  size_t flat_begin() const { return part_begin_; }
   bool first_stage() const { return stage_.embeddings; }
   bool last_stage() const { return stage_.head; }
 
@@ -221,6 +300,9 @@ class Model {
   std::vector<FlatRange> Segments() const;
   // Installs (or, with empty functions, removes) on-demand parameter access.
   void SetParameterAccess(ParameterAccess access) { access_ = std::move(access); }
+  // The tp group's all-reduce (tensor_parallel > 1; Forward and Backward
+  // fail with FAILED_PRECONDITION without one). Its errors end the pass.
+  void SetTensorParallel(TpAllReduce all_reduce) { all_reduce_ = std::move(all_reduce); }
 
   // Runs the model on `batch` sequences of context() tokens (tokens[b·T + t]).
   // With targets (same layout) it returns the mean cross-entropy and keeps
@@ -267,7 +349,8 @@ class Model {
   // Backward, [batch·T, C] (the output gradient of the previous stage).
   std::span<const float> input_grad(int slot = 0);
 
-  // The last Forward's logits, [batch, T, vocab] (slot 0, the last stage).
+  // The last Forward's logits, [batch, T, vocab] (slot 0, the last stage;
+  // with tensor parallelism this rank's vocabulary slice, [batch, T, V/T]).
   std::span<const float> logits() {
     UseSlot(0);
     return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()};
@@ -279,7 +362,14 @@ class Model {
 
  private:
   explicit Model(const ModelConfig& config);
-  size_t rows_per_seq() const { return static_cast<size_t>(config_.context) * config_.vocab; }
+  size_t rows_per_seq() const { return static_cast<size_t>(config_.context) * vocab_local(); }
+  int tp() const { return config_.tensor_parallel; }
+  int vocab_local() const { return config_.vocab / tp(); }
+  int width_local() const { return config_.d_model / tp(); }  // attention width of the local heads
+  int heads_local() const { return config_.heads / tp(); }
+  int hidden_local() const { return config_.mlp_ratio * config_.d_model / tp(); }
+  // The tp group's all-reduce (tp() > 1); a no-op on one rank.
+  Status TpReduceInPlace(float* data, size_t count, TpReduce op, const char* what);
   // Makes `slot`'s workspace the current one (the members below).
   void UseSlot(int slot);
   void Initialize();
@@ -304,12 +394,15 @@ class Model {
   BlockActivations Activations(int l);
   // Block l's internal activations (everything up to the MLP's hidden layer)
   // from its input, for the current batch.
-  void BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input);
+  Status BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input);
 
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
   StagePlan stage_;
-  PageBuffer params_;  // this stage's range of the flat buffer
+  size_t part_begin_ = 0;  // in the servers' space
+  TpAllReduce all_reduce_;
+  std::vector<float> tp_scratch_;  // the cross-entropy's row maxima and sums, [3N]
+  PageBuffer params_;              // this stage's range of the flat buffer
   PageBuffer grads_;
   ParameterAccess access_;
   // The range of the segment holding blocks.l (or the embeddings, l = -1, or
@@ -318,23 +411,25 @@ class Model {
 
   // Workspace: activations of the last Forward (per layer where it applies,
   // layer-major; one layer's worth with activation checkpointing, marked
-  // [L'] below) and scratch for Backward. Sized for batch_ sequences.
+  // [L'] below) and scratch for Backward. Sized for batch_ sequences. With
+  // tensor parallelism the widths of this rank's slices: C' = C/T of
+  // attention, H' = H/T heads, 4C' = 4C/T hidden units, V' = V/T tokens.
   int batch_ = 0;
   bool have_targets_ = false;
   std::vector<uint8_t> tokens_, targets_;
   std::vector<float> encoded_;                    // [N, C] input of block 0
   std::vector<float> ln1_, ln1_mean_, ln1_rstd_;  // [L', N, C], [L', N]
-  std::vector<float> qkv_;                        // [L', N, 3C]
-  std::vector<float> att_;                        // [L', B, H, T, T] softmax probabilities
-  std::vector<float> atty_;                       // [L', N, C] attention output before proj
+  std::vector<float> qkv_;                        // [L', N, 3C']
+  std::vector<float> att_;                        // [L', B, H', T, T] softmax probabilities
+  std::vector<float> atty_;                       // [L', N, C'] attention output before proj
   std::vector<float> res_att_;                    // [L', N, C] residual after attention
   std::vector<float> ln2_, ln2_mean_, ln2_rstd_;  // [L', N, C], [L', N]
-  std::vector<float> fch_, fch_gelu_;             // [L', N, 4C]
+  std::vector<float> fch_, fch_gelu_;             // [L', N, 4C']
   std::vector<float> res_mlp_;                    // [L, N, C] residual after the MLP (block output), always kept
   std::vector<float> lnf_, lnf_mean_, lnf_rstd_;  // [N, C], [N]
-  std::vector<float> logits_, probs_;             // [N, V]
-  std::vector<float> dres_, dln_, datty_, dqkv_;  // backward scratch, [N, C] / [N, 3C]
-  std::vector<float> dfch_, datt_, dlogits_;      // [N, 4C], [T, T], [N, V]
+  std::vector<float> logits_, probs_;             // [N, V']
+  std::vector<float> dres_, dln_, datty_, dqkv_;  // backward scratch, [N, C] / [N, C'] / [N, 3C']
+  std::vector<float> dfch_, datt_, dlogits_;      // [N, 4C'], [T, T], [N, V']
 
   // The workspaces of the slots not in use: UseSlot swaps a slot's buffers
   // with the members above (the kernels always work on the members).
