@@ -130,6 +130,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   RunSummary summary;
   summary.mode = o.train.mode;
   summary.placement = o.train.placement;
+  summary.tensor_parallel = static_cast<uint32_t>(o.tp);
   const auto print = [&o](const std::string& text) {
     if (o.progress) {
       fmt::print("{}", text);
@@ -149,12 +150,31 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   const int64_t servers = servers_needed ? o.servers : 0;
   auto model_config = worker::ModelConfigOf(o.train);
   if (!model_config.ok()) return model_config.status();
+  if (o.tp > 1) {
+    // A tensor-parallel group lies inside one node.
+    if (o.workers_per_node % o.tp != 0) {
+      return InvalidArgument(
+          "--tp {}: a tensor-parallel group lies inside one node, but --workers-per-node {} does not split into "
+          "groups of {}",
+          o.tp, o.workers_per_node, o.tp);
+    }
+    if (o.add_worker_at > 0) {
+      return InvalidArgument(
+          "--add-worker-at with --tp {}: one more worker does not fit the mesh (it grows by whole tensor-parallel "
+          "groups)",
+          o.tp);
+    }
+    model::ModelConfig split = *model_config;
+    split.tensor_parallel = static_cast<int>(o.tp);
+    TANDEM_RETURN_IF_ERROR(split.Validate().WithContext(fmt::format("--tp {}", o.tp)));
+  }
   if (o.pp > 1) {
     // The mesh must fit before anything starts.
-    if (workers % o.pp != 0) {
+    if (workers % (o.pp * o.tp) != 0) {
       return InvalidArgument(
-          "--pp {}: the {} workers ({} node(s) x {}) do not split into {} pipeline stages of equal size", o.pp, workers,
-          o.nodes, o.workers_per_node, o.pp);
+          "--pp {}: the {} workers ({} node(s) x {}) do not split into {} pipeline stages of equal size{}", o.pp,
+          workers, o.nodes, o.workers_per_node, o.pp,
+          o.tp > 1 ? fmt::format(" made of whole tensor-parallel groups of {}", o.tp) : "");
     }
     if (o.add_worker_at > 0) {
       return InvalidArgument(
@@ -167,6 +187,12 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
   uint64_t parameters = 0;
   for (const auto& t : model::TensorLayout(*model_config)) parameters += t.size;
+  // The servers hold every part of the split: with tensor parallelism each
+  // rank's copy of the replicated tensors too.
+  model::ModelConfig split = *model_config;
+  split.pipeline_stages = static_cast<int>(o.pp);
+  split.tensor_parallel = static_cast<int>(o.tp);
+  const uint64_t server_parameters = model::PartBounds(split).back();
   if (!o.train.data.empty() && access(o.train.data.c_str(), R_OK) != 0) {
     return InvalidArgument("--data: cannot read '{}': {}", o.train.data, std::strerror(errno));
   }
@@ -257,7 +283,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
                           "--job-last-call-window",
                           "0s",
                           "--job-parameter-count",
-                          std::to_string(servers > 0 ? parameters : 0),
+                          std::to_string(servers > 0 ? server_parameters : 0),
                           "--job-partition-size",
                           std::to_string(o.partition_bytes),
                           "--job-heartbeat-interval",
@@ -265,7 +291,9 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
                           "--job-heartbeat-deadline",
                           "3s",
                           "--job-mesh-pp",
-                          std::to_string(o.pp)});
+                          std::to_string(o.pp),
+                          "--job-mesh-tp",
+                          std::to_string(o.tp)});
   const std::string coordinator = status.ok() ? members[0].daemon.ready.grpc_address : "";
   for (int64_t i = 0; status.ok() && i < servers && !shutdown.requested(); ++i) {
     const int node = static_cast<int>(i % o.nodes);
@@ -517,7 +545,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     summary.pipeline_schedule = o.train.pipeline_schedule;
     for (double v : idle_sum) summary.pipeline_idle.push_back(idle_steps > 0 ? v / idle_steps : 0);
     // Micro-batches per pipeline: the accumulation, or fewer when a shard is smaller.
-    const int64_t dp = workers / o.pp;
+    const int64_t dp = workers / (o.pp * o.tp);
     const int64_t shard = std::max<int64_t>(1, o.train.global_batch / dp);
     summary.analytic_bubble =
         worker::AnalyticBubble(static_cast<int>(o.pp), static_cast<int>(std::min(o.train.accumulation, shard)));
@@ -549,7 +577,7 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
       "{},\n"
       "  \"worker_peak_rss_bytes\": {{{}}},\n  \"peak_parameter_bytes\": {},\n  \"placement\": {},\n"
-      "  \"losses\": [{}]\n}}\n",
+      "  \"tensor_parallel\": {},\n  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
@@ -557,7 +585,7 @@ std::string SummaryJson(const RunSummary& s) {
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
       s.pipeline_stages, s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle,
       JsonNumber(s.analytic_bubble, 4), s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement),
-      losses);
+      s.tensor_parallel, losses);
 }
 
 }  // namespace tandem::cli

@@ -33,6 +33,7 @@ struct ClusterOptions {
   int64_t workers_per_node = 1;
   int64_t servers = 1;
   int64_t pp = 1;                        // pipeline stages (the job's mesh.pp)
+  int64_t tp = 1;                        // tensor-parallel ranks (the job's mesh.tp), inside a node
   worker::TrainConfig train;             // steps, mode, data, seed, model, optimizer, ...
   uint64_t partition_bytes = 256 << 10;  // the servers' partition size
   int64_t kill_worker_at = 0;            // SIGKILL one worker once this step is done (0: never)
@@ -81,6 +82,7 @@ struct RunSummary {
   uint64_t peak_parameter_bytes = 0;
   std::string placement;
   uint32_t pipeline_stages = 1;
+  uint32_t tensor_parallel = 1;
   std::string pipeline_schedule;
   std::vector<double> pipeline_idle;
   double analytic_bubble = 0;

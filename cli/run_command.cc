@@ -32,6 +32,11 @@ int RunCommand(int argc, char** argv) {
               "workers are contiguous, so whole nodes hold one stage when the stage size is a multiple of "
               "--workers-per-node); train.accumulation micro-batches flow through them",
               1, 64);
+  options.Int("tp", &o.tp,
+              "tensor-parallel ranks: each block's layers are split over this many workers of one node (Megatron "
+              "style: column- and row-parallel layers, attention heads and the vocabulary split); must divide "
+              "--workers-per-node, the attention heads and the vocabulary",
+              1, 64);
   options.Choice("mode", &o.train.mode, worker::TrainingModeNames(),
                  "hybrid (node reduce-scatter, servers, node all-gather), allreduce (no servers), ps (every worker "
                  "pushes to the servers)");
@@ -64,8 +69,8 @@ int RunCommand(int argc, char** argv) {
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
       "The summary has the keys steps, first_loss, last_loss, tokens_per_second, mode, world_size, epochs,\n"
       "faults, server_steps_applied, peak_rss_bytes (the largest worker's peak resident memory),\n"
-      "worker_peak_rss_bytes, peak_parameter_bytes, placement, and with --pp pipeline_stages, pipeline_idle and "
-      "analytic_bubble\n"
+      "worker_peak_rss_bytes, peak_parameter_bytes, placement, tensor_parallel, and with --pp pipeline_stages,\n"
+      "pipeline_idle and analytic_bubble\n"
       "(docs/training.md).");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
 

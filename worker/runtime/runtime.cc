@@ -16,6 +16,13 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 
+// "pipeline stage 1 of 2, tensor-parallel rank 0 of 2" (the parts a mesh has).
+std::string PartName(int stage, int stages, int tp_rank, int tp) {
+  std::string name = stages > 1 || tp == 1 ? fmt::format("pipeline stage {} of {}", stage, stages) : "";
+  if (tp > 1) name += fmt::format("{}tensor-parallel rank {} of {}", name.empty() ? "" : ", ", tp_rank, tp);
+  return name;
+}
+
 double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
@@ -61,9 +68,27 @@ Result<std::unique_ptr<LocalOptimizer>> LocalOptimizer::Create(const v1::Optimiz
 }
 
 Status LocalOptimizer::Step(std::span<float> params, std::span<const float> grads,
-                            const std::vector<v1::TensorSpec>& tensors, bool* skipped) {
+                            const std::vector<v1::TensorSpec>& tensors, bool* skipped, const NormCombiner& combine) {
   *skipped = false;
-  const optim::GradScan scan = optim::ScanGradient(grads.data(), grads.size());
+  optim::GradScan scan = optim::ScanGradient(grads.data(), grads.size());
+  // The norm counts the tensors of groups that count in it (not the copies
+  // a tensor-parallel rank keeps of replicated tensors).
+  bool excluded = false;
+  for (const auto& t : tensors) excluded = excluded || !optimizer_.Group(t.group()).in_grad_norm;
+  if (excluded) {
+    scan.sum_squares = 0;
+    for (const auto& t : tensors) {
+      if (!optimizer_.Group(t.group()).in_grad_norm) continue;
+      uint64_t n = 1;
+      for (int64_t d : t.shape()) n *= static_cast<uint64_t>(d);
+      scan.sum_squares += optim::ScanGradient(grads.data() + t.flat_offset(), n).sum_squares;
+    }
+  }
+  if (combine) {
+    auto whole = combine(scan);
+    if (!whole.ok()) return whole.status();
+    scan = *whole;
+  }
   if (!scan.finite || !std::isfinite(scan.sum_squares)) {
     if (optimizer_.non_finite_policy() == v1::NON_FINITE_POLICY_FAIL) {
       return InvalidArgument("update {}: the gradient holds NaN or Inf (non_finite_policy FAIL)", updates_ + 1);
@@ -177,18 +202,18 @@ Status Runtime::CheckBuffers(std::span<float> params, std::span<float> grads,
 Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vector<v1::TensorSpec> tensors) {
   TANDEM_RETURN_IF_ERROR(CheckBuffers(params, grads, tensors));
   ModelBinding model;
-  model.tensors = tensors;
+  model.tensors = [tensors](int, int) { return tensors; };
   const size_t n = params.size();
-  model.bounds = [n](int stages) -> Result<std::vector<size_t>> {
-    if (stages != 1) {
+  model.bounds = [n](int stages, int tensor_parallel) -> Result<std::vector<size_t>> {
+    if (stages != 1 || tensor_parallel != 1) {
       return InvalidArgument(
-          "the mesh has pp={} pipeline stages, but the training loop attached one flat model (Runtime::Attach); "
-          "pipeline parallelism needs a model that can be split (Runtime::AttachModel)",
-          stages);
+          "the mesh has pp={} pipeline stages and tp={} tensor-parallel ranks, but the training loop attached one "
+          "flat model (Runtime::Attach); model parallelism needs a model that can be split (Runtime::AttachModel)",
+          stages, tensor_parallel);
     }
     return std::vector<size_t>{0, n};
   };
-  model.bind = [params, grads, tensors](int, int) -> Result<StageBuffers> {
+  model.bind = [params, grads, tensors](int, int, int, int) -> Result<StageBuffers> {
     return StageBuffers{params, grads, tensors, 0};
   };
   model.initial = [params](uint64_t b, uint64_t e, float* out) {
@@ -198,8 +223,8 @@ Status Runtime::Attach(std::span<float> params, std::span<float> grads, std::vec
 }
 
 Status Runtime::AttachModel(ModelBinding model) {
-  if (!model.bounds || !model.bind || !model.initial) {
-    return InvalidArgument("the model binding needs bounds, bind and initial");
+  if (!model.tensors || !model.bounds || !model.bind || !model.initial) {
+    return InvalidArgument("the model binding needs tensors, bounds, bind and initial");
   }
   if (options_.gradient_wire != v1::WIRE_DTYPE_FP32 && options_.gradient_wire != v1::WIRE_DTYPE_BF16) {
     return InvalidArgument("gradient wire type must be fp32 or bf16");
@@ -212,7 +237,7 @@ Status Runtime::AttachModel(ModelBinding model) {
         "placement sharded needs hybrid mode (the workers of a node share the parameters there), not {} mode",
         ModeName(options_.mode));
   }
-  auto whole = model.bounds(1);
+  auto whole = model.bounds(1, 1);
   if (!whole.ok()) return whole.status();
   // The optimizer configuration is checked now, not at the first epoch.
   auto local = LocalOptimizer::Create(options_.optimizer, 0);
@@ -226,18 +251,23 @@ Status Runtime::AttachModel(ModelBinding model) {
 Status Runtime::BindStage(const DataPlane::EpochView& view) {
   const int stages = static_cast<int>(std::max<uint32_t>(1, view.epoch.mesh().pp()));
   const int stage = static_cast<int>(view.rank.mesh().pp());
-  if (stages == stages_ && stage == stage_) return Status::Ok();
-  auto bounds = model_.bounds(stages);
+  const int tp = static_cast<int>(std::max<uint32_t>(1, view.epoch.mesh().tp()));
+  const int tp_rank = static_cast<int>(view.rank.mesh().tp());
+  if (stages == stages_ && stage == stage_ && tp == tp_size_ && tp_rank == tp_rank_) return Status::Ok();
+  const std::string part_name = PartName(stage, stages, tp_rank, tp);
+  auto bounds = model_.bounds(stages, tp);
   if (!bounds.ok()) return bounds.status();
-  if (bounds->size() != static_cast<size_t>(stages) + 1 || stage >= stages) {
-    return Internal("the model's split into {} stages has {} bounds (stage {})", stages, bounds->size(), stage);
+  const auto part = static_cast<size_t>(stage * tp + tp_rank);
+  if (bounds->size() != static_cast<size_t>(stages * tp) + 1 || stage >= stages || tp_rank >= tp) {
+    return Internal("the model's split into {} stages of {} tensor-parallel ranks has {} bounds ({})", stages, tp,
+                    bounds->size(), part_name);
   }
-  auto buffers = model_.bind(stage, stages);
-  if (!buffers.ok()) return buffers.status().WithContext(fmt::format("pipeline stage {} of {}", stage, stages));
+  auto buffers = model_.bind(stage, stages, tp_rank, tp);
+  if (!buffers.ok()) return buffers.status().WithContext(part_name);
   TANDEM_RETURN_IF_ERROR(CheckBuffers(buffers->params, buffers->grads, buffers->tensors));
-  if (buffers->base != (*bounds)[stage] || buffers->base + buffers->params.size() != (*bounds)[stage + 1]) {
-    return Internal("stage {} of {} holds elements [{}, {}), but the split says [{}, {})", stage, stages, buffers->base,
-                    buffers->base + buffers->params.size(), (*bounds)[stage], (*bounds)[stage + 1]);
+  if (buffers->base != (*bounds)[part] || buffers->base + buffers->params.size() != (*bounds)[part + 1]) {
+    return Internal("{} holds elements [{}, {}), but the split says [{}, {})", part_name, buffers->base,
+                    buffers->base + buffers->params.size(), (*bounds)[part], (*bounds)[part + 1]);
   }
   if (options_.mode == TrainingMode::kAllReduce) {
     auto local = LocalOptimizer::Create(options_.optimizer, buffers->params.size());
@@ -245,8 +275,8 @@ Status Runtime::BindStage(const DataPlane::EpochView& view) {
     local_ = std::move(*local);
   }
   if (stages_ != 0) {
-    spdlog::info("epoch {}: this worker now trains pipeline stage {} of {} (was {} of {})", view.epoch.epoch(), stage,
-                 stages, stage_, stages_);
+    spdlog::info("epoch {}: this worker now trains {} (was {})", view.epoch.epoch(), part_name,
+                 PartName(stage_, stages_, tp_rank_, tp_size_));
   }
   if (options_.placement == Placement::kSharded && (buffers->param_pages == nullptr || buffers->grad_pages == nullptr ||
                                                     buffers->param_pages->data() != buffers->params.data() ||
@@ -262,8 +292,10 @@ Status Runtime::BindStage(const DataPlane::EpochView& view) {
   base_ = buffers->base;
   stage_ = stage;
   stages_ = stages;
+  tp_rank_ = tp_rank;
+  tp_size_ = tp;
   servers_initialized_ = false;
-  stage_valid_ = stages == 1 || completed_ == 0;  // a fresh model is valid only before the first step
+  stage_valid_ = stages * tp == 1 || completed_ == 0;  // a fresh model is valid only before the first step
   grads_step_ = 0;
   return Status::Ok();
 }
@@ -275,6 +307,7 @@ bool Runtime::Fatal(const Status& status) const {
     case StatusCode::kUnauthenticated:
     case StatusCode::kUnimplemented:
     case StatusCode::kOutOfRange:
+    case StatusCode::kDataLoss:
       return true;
     default:
       return stopped_;
@@ -350,53 +383,54 @@ Result<StepPlan> Runtime::BeginStep() {
   plan.stage = static_cast<uint32_t>(stage_);
   plan.stages = static_cast<uint32_t>(stages_);
   plan.pipeline = pipeline_;
+  plan.tensor_rank = static_cast<uint32_t>(tp_rank_);
+  plan.tensor_size = static_cast<uint32_t>(tp_size_);
+  plan.tensor = tensor_;
   return plan;
 }
 
 Status Runtime::Resync(const DataPlane::EpochView& view) {
   const uint64_t epoch = view.epoch.epoch();
   const auto& mesh = view.epoch.mesh();
-  if (mesh.tp() > 1) {
-    return InvalidArgument(
-        "epoch {} has a {}x{}x{} (dp x tp x pp) mesh, but the training runtime does not do tensor parallelism "
-        "(tp > 1) yet: use tp=1",
-        epoch, mesh.dp(), mesh.tp(), mesh.pp());
-  }
   auto& manager = plane_.manager();
-  const bool pipelined = mesh.pp() > 1;
+  const bool pipelined = mesh.pp() > 1, tensor_parallel = mesh.tp() > 1, split = pipelined || tensor_parallel;
+  // This worker's part of the model: its stage's slice of its tensor rank.
+  const uint32_t tp = std::max<uint32_t>(1, mesh.tp()), dp = std::max<uint32_t>(1, mesh.dp());
+  const uint32_t parts = std::max<uint32_t>(1, mesh.pp()) * tp;
+  const uint32_t part = view.rank.mesh().pp() * tp + view.rank.mesh().tp();
   world_ = manager.Get("world");
-  node_ = pipelined ? manager.Get(fmt::format("node-dp/{}", view.rank.node_rank() * mesh.pp() + view.rank.mesh().pp()))
-                    : manager.Get("node");
-  dp_ = pipelined ? manager.Get(fmt::format("dp/{}", view.rank.mesh().pp())) : world_;
-  pipeline_ = pipelined ? manager.Get(fmt::format("pp/{}", view.rank.mesh().dp())) : nullptr;
-  if (!world_ || !node_ || !dp_ || (pipelined && !pipeline_)) {
+  node_ = split ? manager.Get(fmt::format("node-dp/{}", view.rank.node_rank() * parts + part)) : manager.Get("node");
+  dp_ = split ? manager.Get(fmt::format("dp/{}", part)) : world_;
+  pipeline_ =
+      pipelined ? manager.Get(fmt::format("pp/{}", view.rank.mesh().dp() * tp + view.rank.mesh().tp())) : nullptr;
+  tensor_ =
+      tensor_parallel ? manager.Get(fmt::format("tp/{}", view.rank.mesh().pp() * dp + view.rank.mesh().dp())) : nullptr;
+  if (!world_ || !node_ || !dp_ || (pipelined && !pipeline_) || (tensor_parallel && !tensor_)) {
     return FailedPrecondition("epoch {} lacks the communicators the runtime needs (is data_plane.backend off?)", epoch);
   }
   if (world_->epoch() != epoch) return Aborted("epoch {} was superseded while joining it", epoch);
   TANDEM_RETURN_IF_ERROR(BindStage(view));
   view_ = std::make_shared<DataPlane::EpochView>(view);
-  // Server modes: who contributes to a stage's partitions. In hybrid mode
-  // one contribution per node-dp group (a node's workers of the stage), in
-  // ps mode one per worker; ranks are laid out stage after stage, and node
-  // by node within a stage.
-  stage_contributors_.assign(static_cast<size_t>(stages_), 0);
+  // Server modes: who contributes to a part's partitions. In hybrid mode
+  // one contribution per node-dp group (a node's workers of the part), in
+  // ps mode one per worker; contributors are numbered part after part, and
+  // node by node within a part.
+  stage_contributors_.assign(parts, 0);
   contributor_ = 0;
-  std::vector<std::set<uint32_t>> stage_nodes(static_cast<size_t>(stages_));
+  std::vector<std::set<uint32_t>> part_nodes(parts);
   for (const auto& p : view.epoch.peers()) {
     if (p.role() != v1::ROLE_WORKER || !p.has_rank()) continue;
-    const uint32_t s = p.rank().mesh().pp();
-    if (s < stage_nodes.size()) stage_nodes[s].insert(p.rank().node_rank());
+    const uint32_t q = p.rank().mesh().pp() * tp + p.rank().mesh().tp();
+    if (q < part_nodes.size()) part_nodes[q].insert(p.rank().node_rank());
   }
-  for (int s = 0; s < stages_; ++s) {
-    stage_contributors_[static_cast<size_t>(s)] =
-        options_.mode == TrainingMode::kHybrid ? static_cast<uint32_t>(stage_nodes[static_cast<size_t>(s)].size())
-                                               : std::max<uint32_t>(1, mesh.dp());
+  for (uint32_t q = 0; q < parts; ++q) {
+    stage_contributors_[q] = options_.mode == TrainingMode::kHybrid ? static_cast<uint32_t>(part_nodes[q].size()) : dp;
   }
   if (options_.mode == TrainingMode::kHybrid) {
-    const auto& mine = stage_nodes[static_cast<size_t>(stage_)];
+    const auto& mine = part_nodes[part];
     contributor_ = static_cast<uint32_t>(std::distance(mine.begin(), mine.find(view.rank.node_rank())));
-    if (stage_contributors_[static_cast<size_t>(stage_)] == 0 || contributor_ >= mine.size()) {
-      return FailedPrecondition("epoch {}: this worker's node is not among its stage's in the peer table", epoch);
+    if (stage_contributors_[part] == 0 || contributor_ >= mine.size()) {
+      return FailedPrecondition("epoch {}: this worker's node is not among its part's in the peer table", epoch);
     }
   } else {
     contributor_ = view.rank.mesh().dp();
@@ -411,7 +445,7 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
   synced_epoch_ = epoch;
   spdlog::info("epoch {}: rank {} of {} (node {} of {}){}, {} mode, {} placement, {} buckets; resuming after step {}{}",
                epoch, view.rank.global_rank(), view.rank.world_size(), view.rank.node_rank(), view.rank.node_count(),
-               pipelined ? fmt::format(", pipeline stage {} of {}", stage_, stages_) : "", ModeName(options_.mode),
+               split ? ", " + PartName(stage_, stages_, tp_rank_, tp_size_) : "", ModeName(options_.mode),
                PlacementName(options_.placement), buckets_.size(), completed_,
                completed_ != before ? fmt::format(" (this worker had completed {})", before) : "");
   plane_.ReportStep(completed_);
@@ -523,15 +557,12 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
         o.grad = o.edge_grad.data();
         o.param = o.edge_param.data();
       }
-      // The partition's contributors: those of every stage it overlaps,
-      // numbered stage after stage.
-      for (int s = 0; s < stages_; ++s) {
-        if (bounds_[static_cast<size_t>(s) + 1] <= b->ranges[k].first ||
-            bounds_[static_cast<size_t>(s)] >= b->ranges[k].second) {
-          continue;
-        }
-        if (s == stage_) o.contributor = o.contributors + contributor_;
-        o.contributors += stage_contributors_[static_cast<size_t>(s)];
+      // The partition's contributors: those of every part it overlaps,
+      // numbered part after part.
+      for (size_t q = 0; q + 1 < bounds_.size(); ++q) {
+        if (bounds_[q + 1] <= b->ranges[k].first || bounds_[q] >= b->ranges[k].second) continue;
+        if (q == static_cast<size_t>(stage_ * tp_size_ + tp_rank_)) o.contributor = o.contributors + contributor_;
+        o.contributors += stage_contributors_[q];
       }
       o.wire_offset = wire;
       wire += o.count;
@@ -556,7 +587,8 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   if (!servers_initialized_) {
     // The stage's partitions; the parts of a straddling partition outside
     // the stage come from the model's initial values.
-    google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(model_.tensors.begin(), model_.tensors.end());
+    const std::vector<v1::TensorSpec> table = model_.tensors(stages_, tp_size_);
+    google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(table.begin(), table.end());
     v1::ConsistencyConfig consistency;
     consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
     const PsClient::ValueSource values = [&](uint64_t b, uint64_t e, float* out) {
@@ -717,11 +749,12 @@ Status Runtime::ResyncAllReduce() {
   TANDEM_RETURN_IF_ERROR(dp_->AllReduce(&candidate, &root, 1, comm::DType::kInt64, comm::ReduceOp::kMin)
                              .WithContext("choosing the rank that broadcasts the parameters"));
   if (root == INT64_MAX) {
-    return FailedPrecondition(
-        "pipeline stage {} of {}: no worker holds its parameters after step {} (in allreduce mode only the workers "
-        "hold them, and every worker that trained this stage is gone or moved): restart from a checkpoint, or train "
-        "in hybrid or ps mode, where the servers keep every stage",
-        stage_, stages_, agreed);
+    // Fatal: waiting for another epoch brings nothing back.
+    return DataLoss(
+        "{}: no worker holds its parameters after step {} (in allreduce mode only the workers hold them, and every "
+        "worker that trained this part of the model is gone or moved): restart from a checkpoint, or train in hybrid "
+        "or ps mode, where the servers keep every part",
+        PartName(stage_, stages_, tp_rank_, tp_size_), agreed);
   }
   const int r = static_cast<int>(root);
   TANDEM_RETURN_IF_ERROR(dp_->Broadcast(params_.data(), params_.size(), comm::DType::kFloat32, r)
@@ -890,7 +923,21 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   }
   if (options_.mode == TrainingMode::kAllReduce) {
     const auto t0 = Clock::now();
-    Status applied = local_->Step(params_, grads_, tensors_, &result.skipped);
+    LocalOptimizer::NormCombiner combine;
+    if (stages_ * tp_size_ > 1) {
+      // Each worker holds one part: the whole model's norm and finiteness
+      // are the parts' together. Every part's dp replicas hold the same
+      // summed gradient, so the world's sum counts each part dp times.
+      const auto dp = static_cast<float>(std::max<uint32_t>(1, view_->epoch.mesh().dp()));
+      combine = [this, dp](const optim::GradScan& part) -> Result<optim::GradScan> {
+        float mine[2] = {static_cast<float>(part.sum_squares), part.finite ? 0.0f : 1.0f};
+        float all[2] = {0, 0};
+        TANDEM_RETURN_IF_ERROR(world_->AllReduce(mine, all, 2, comm::DType::kFloat32, comm::ReduceOp::kSum)
+                                   .WithContext("summing the parts' gradient norms"));
+        return optim::GradScan{static_cast<double>(all[0]) / dp, all[1] == 0.0f};
+      };
+    }
+    Status applied = local_->Step(params_, grads_, tensors_, &result.skipped, combine);
     result.optimizer_seconds = Seconds(Clock::now() - t0);
     if (!applied.ok()) return applied;
   }

@@ -44,8 +44,8 @@
 // operator asked for) BeginStep resynchronises and then waits, without a time
 // limit, for the next epoch.
 //
-// Pipeline parallelism. With a mesh of pp > 1 stages (tp must be 1), each
-// worker trains one stage: the model is attached with AttachModel, and the
+// Pipeline parallelism. With a mesh of pp > 1 stages, each worker trains
+// one stage: the model is attached with AttachModel, and the
 // runtime asks it for the stage of the worker's pp coordinate whenever that
 // changes (the first epoch, or a re-ranking after a membership change). The
 // stage's parameters are one contiguous range of the whole model's flat
@@ -58,8 +58,18 @@
 // group, over which the training loop runs its micro-batch schedule
 // (worker/runtime/pipeline.h). A worker that moves to another stage pulls
 // that stage's parameters from the servers; in allreduce mode it gets them
-// from a worker of its new stage's dp group that holds them, and the step
-// fails with FAILED_PRECONDITION naming the stage when none does.
+// from a worker of its new stage's dp group that holds them, and training
+// stops with DATA_LOSS naming the stage when none does.
+//
+// Tensor parallelism. With a mesh of tp > 1, the workers of a "tp" group
+// (inside one node) each hold a slice of every tensor of their stage (the
+// model's business, worker/model/model.h) and StepPlan::tensor is the group
+// over which the model all-reduces. For the runtime a (stage, tensor rank)
+// is a part of the model like a stage: one contiguous range of the servers'
+// space, whose gradients are summed over the part's "node-dp" and "dp"
+// groups exactly as a stage's are. Every rank of a tp group computes the
+// same loss: the training loop reports it (and the samples and tokens) from
+// tensor rank 0 only.
 //
 // Thread safety: BeginStep, GradientsReady and EndStep are called from the
 // training thread only. Stop() may be called from any thread.
@@ -80,6 +90,7 @@
 #include <thread>
 #include <vector>
 
+#include "common/optimizer/gradient.h"
 #include "common/optimizer/optimizer.h"
 #include "common/page_buffer.h"
 #include "common/status.h"
@@ -140,10 +151,16 @@ struct StepPlan {
   uint32_t stage = 0;
   uint32_t stages = 1;
   std::shared_ptr<comm::Communicator> pipeline;
+  // Tensor parallelism: this worker's rank of `tensor_size` in its tp group
+  // (null when tensor_size == 1), over which the model all-reduces.
+  uint32_t tensor_rank = 0;
+  uint32_t tensor_size = 1;
+  std::shared_ptr<comm::Communicator> tensor;
 };
 
-// One pipeline stage of a model: its parameters and gradients, the whole
-// model's flat elements [base, base + params.size()).
+// One part of a model (a pipeline stage of a tensor-parallel rank): its
+// parameters and gradients, the servers' flat elements [base, base +
+// params.size()).
 struct StageBuffers {
   std::span<float> params;
   std::span<float> grads;
@@ -155,20 +172,23 @@ struct StageBuffers {
   PageBuffer* grad_pages = nullptr;
 };
 
-// A model that can be split into pipeline stages (Runtime::AttachModel).
+// A model that can be split into pipeline stages and tensor-parallel ranks
+// (Runtime::AttachModel). The servers hold every part of a split, part
+// stage·tensor_parallel + rank after part: their flat space.
 struct ModelBinding {
-  // The whole model's tensor table (global flat offsets): the servers hold
-  // the whole model.
-  std::vector<v1::TensorSpec> tensors;
-  // Where each stage of a split into `stages` begins, and the end: stages + 1
-  // ascending offsets from 0 to the parameter count. INVALID_ARGUMENT when
-  // the model cannot be split so (more stages than blocks).
-  std::function<Result<std::vector<size_t>>(int stages)> bounds;
-  // Makes this worker's model stage `stage` of `stages` (with its initial
-  // parameters) and returns its buffers, valid until the next call.
-  std::function<Result<StageBuffers>(int stage, int stages)> bind;
-  // The initial values of the whole model's [begin, end): the servers'
-  // partitions that straddle a stage boundary need both stages' values.
+  // The servers' tensor table for a split (global flat offsets).
+  std::function<std::vector<v1::TensorSpec>(int stages, int tensor_parallel)> tensors;
+  // Where each part of a split into `stages` × `tensor_parallel` begins, and
+  // the end: parts + 1 ascending offsets from 0 to the parameter count.
+  // INVALID_ARGUMENT when the model cannot be split so (more stages than
+  // blocks, a tp that does not divide the heads).
+  std::function<Result<std::vector<size_t>>(int stages, int tensor_parallel)> bounds;
+  // Makes this worker's model stage `stage` of `stages`, tensor-parallel
+  // rank `tensor_rank` of `tensor_parallel` (with its initial parameters)
+  // and returns its buffers, valid until the next call.
+  std::function<Result<StageBuffers>(int stage, int stages, int tensor_rank, int tensor_parallel)> bind;
+  // The initial values of the servers' [begin, end) for the last split
+  // bound: the partitions that straddle two parts need both parts' values.
   std::function<void(uint64_t begin, uint64_t end, float* out)> initial;
 };
 
@@ -197,10 +217,14 @@ struct StepResult {
 class LocalOptimizer {
  public:
   static Result<std::unique_ptr<LocalOptimizer>> Create(const v1::OptimizerConfig& config, size_t parameters);
+  // Turns the scan of this buffer's gradient into the whole model's (its
+  // other parts' norms and finiteness, when the buffer is one part).
+  using NormCombiner = std::function<Result<optim::GradScan>(const optim::GradScan& part)>;
   // One update from the summed gradient. A non-finite gradient skips the
-  // update (*skipped = true) or fails, as the policy says.
+  // update (*skipped = true) or fails, as the policy says. The clipping norm
+  // leaves out the groups excluded from it (exclude_from_grad_norm).
   Status Step(std::span<float> params, std::span<const float> grads, const std::vector<v1::TensorSpec>& tensors,
-              bool* skipped);
+              bool* skipped, const NormCombiner& combine = nullptr);
   std::vector<float>& state0() { return state0_; }
   std::vector<float>& state1() { return state1_; }
   uint64_t updates() const { return updates_; }
@@ -262,8 +286,9 @@ class Runtime {
   // the next BeginStep resynchronises in a newer epoch, as after a failed
   // EndStep.
   void AbandonStep(const Status& why);
-  // Whether a failure ends training (bad configuration or input, Stop())
-  // rather than a membership change to wait out.
+  // Whether a failure ends training (bad configuration or input, state that
+  // no worker holds any more, Stop()) rather than a membership change to
+  // wait out.
   bool Fatal(const Status& status) const;
 
   // Steps completed (the servers', after a resync).
@@ -302,6 +327,8 @@ class Runtime {
   // and the bounds of every stage.
   int stage_ = 0;
   int stages_ = 0;  // 0: not bound yet
+  int tp_rank_ = 0;
+  int tp_size_ = 0;
   std::vector<size_t> bounds_;
   size_t base_ = 0;
   std::span<float> params_;
@@ -321,11 +348,12 @@ class Runtime {
   uint64_t completed_ = 0;
   std::shared_ptr<const DataPlane::EpochView> view_;
   std::shared_ptr<comm::Communicator> world_;
-  std::shared_ptr<comm::Communicator> node_;      // the node's workers of this stage ("node", or "node-dp")
-  std::shared_ptr<comm::Communicator> dp_;        // the stage's data-parallel group ("world", or "dp/<stage>")
-  std::shared_ptr<comm::Communicator> pipeline_;  // "pp/<dp>" when stages_ > 1
-  // Server modes: contributions per stage (nodes in hybrid mode, workers in
-  // ps mode), and this worker's index among its stage's.
+  std::shared_ptr<comm::Communicator> node_;      // the node's workers of this part ("node", or "node-dp")
+  std::shared_ptr<comm::Communicator> dp_;        // the part's data-parallel group ("world", or "dp/<part>")
+  std::shared_ptr<comm::Communicator> pipeline_;  // "pp/<dp·tp + tp rank>" when stages_ > 1
+  std::shared_ptr<comm::Communicator> tensor_;    // "tp/<stage·dp + dp rank>" when tp_size_ > 1
+  // Server modes: contributions per part (nodes in hybrid mode, workers in
+  // ps mode), and this worker's index among its part's.
   std::vector<uint32_t> stage_contributors_;
   uint32_t contributor_ = 0;
   std::vector<std::unique_ptr<Bucket>> buckets_;  // from the end of the buffer to its start

@@ -223,31 +223,44 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
   return std::move(share);
 }
 
-// The model as the runtime binds it to pipeline stages: `s.model` becomes
-// the stage asked for (the whole model for one stage).
+// The model as the runtime binds it to parts (pipeline stages of
+// tensor-parallel ranks): `s.model` becomes the part asked for (the whole
+// model for one stage of one rank).
 // Sharded placement: the model is made without its initial values (the
 // servers get them from model::InitialValues) and reads its parameters
 // through the runtime's Acquire and Release.
 ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runtime, bool sharded) {
   ModelBinding b;
-  const std::vector<model::TensorInfo> layout = model::TensorLayout(whole);
-  b.tensors = model::TensorSpecs(layout, 0, layout.back().offset + layout.back().size);
-  b.bounds = [whole](int stages) -> Result<std::vector<size_t>> {
+  const auto split = [whole](int stages, int tp) {
     model::ModelConfig c = whole;
     c.pipeline_stages = stages;
-    TANDEM_RETURN_IF_ERROR(c.Validate().WithContext(fmt::format("splitting the model into pp={} stages", stages)));
-    const auto plan = model::PlanStages(c);
-    std::vector<size_t> bounds;
-    for (const auto& stage : plan) bounds.push_back(stage.flat_begin);
-    bounds.push_back(plan.back().flat_end);
-    return bounds;
+    c.tensor_parallel = tp;
+    return c;
   };
-  b.bind = [&s, whole, runtime, sharded](int stage, int stages) -> Result<StageBuffers> {
-    if (!s.model || s.model->config().pipeline_stages != stages || s.model->config().pipeline_stage != stage) {
-      model::ModelConfig c = whole;
-      c.pipeline_stages = stages;
+  b.tensors = [split](int stages, int tp) {
+    const std::vector<model::TensorInfo> layout = model::ServerLayout(split(stages, tp));
+    return model::TensorSpecs(layout, 0, layout.back().offset + layout.back().size);
+  };
+  b.bounds = [split](int stages, int tp) -> Result<std::vector<size_t>> {
+    const model::ModelConfig c = split(stages, tp);
+    TANDEM_RETURN_IF_ERROR(
+        c.Validate().WithContext(fmt::format("splitting the model into pp={} stages of tp={} ranks", stages, tp)));
+    return model::PartBounds(c);
+  };
+  // One stream for the split bound last: the servers' partitions come
+  // mostly in order.
+  auto stream = std::make_shared<std::unique_ptr<model::InitialValueStream>>();
+  b.bind = [&s, split, runtime, sharded, stream](int stage, int stages, int tp_rank, int tp) -> Result<StageBuffers> {
+    const model::ModelConfig* had = s.model ? &s.model->config() : nullptr;
+    if (had == nullptr || had->pipeline_stages != stages || had->pipeline_stage != stage ||
+        had->tensor_parallel != tp || had->tensor_rank != tp_rank) {
+      model::ModelConfig c = split(stages, tp);
       c.pipeline_stage = stage;
-      s.model.reset();  // the old stage goes before the new one is made
+      c.tensor_rank = tp_rank;
+      if (!*stream || had == nullptr || had->pipeline_stages != stages || had->tensor_parallel != tp) {
+        *stream = std::make_unique<model::InitialValueStream>(c);
+      }
+      s.model.reset();  // the old part goes before the new one is made
       auto m = model::Model::Create(c, /*initialize=*/!sharded);
       if (!m.ok()) return m.status();
       s.model = std::make_unique<model::Model>(std::move(*m));
@@ -257,9 +270,9 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runti
         access.release = [runtime](model::FlatRange now) { runtime->Release(now); };
         s.model->SetParameterAccess(std::move(access));
       }
-      if (stages > 1) {
-        spdlog::info("pipeline stage {} of {}: blocks {}..{}{}{}, {} parameters", stage, stages,
-                     s.model->stage().first_block, s.model->stage().end_block - 1,
+      if (stages > 1 || tp > 1) {
+        spdlog::info("pipeline stage {} of {}, tensor-parallel rank {} of {}: blocks {}..{}{}{}, {} parameters", stage,
+                     stages, tp_rank, tp, s.model->stage().first_block, s.model->stage().end_block - 1,
                      s.model->first_stage() ? ", embeddings" : "", s.model->last_stage() ? ", head" : "",
                      s.model->num_parameters());
       }
@@ -267,9 +280,7 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runti
     return StageBuffers{s.model->params(),     s.model->grads(),         s.model->Tensors(),
                         s.model->flat_begin(), &s.model->param_buffer(), &s.model->grad_buffer()};
   };
-  // One stream for all the calls: the servers' partitions come mostly in order.
-  auto stream = std::make_shared<model::InitialValueStream>(whole);
-  b.initial = [stream](uint64_t begin, uint64_t end, float* out) { stream->Fill(begin, end, out); };
+  b.initial = [stream](uint64_t begin, uint64_t end, float* out) { (*stream)->Fill(begin, end, out); };
   return b;
 }
 
@@ -310,56 +321,115 @@ Status ForEachParamPiece(Setup& s, Runtime& runtime, const ParamWriter& fn) {
   return Status::Ok();
 }
 
-// The whole model into train.params_out, written by global rank 0 (stage 0,
-// dp rank 0). With pipeline stages it writes its stage and then each other
-// stage as the dp-rank-0 worker of that stage sends it, in pieces of 4 MiB:
-// rank 0 never holds more than its stage and one piece. Every worker calls
-// this.
+// Sends a run of parameters to a peer in pieces of kPiece floats (the last
+// one shorter); ReceivePieces takes them the same way.
+constexpr size_t kPiece = size_t{1} << 20;  // floats: 4 MiB
+
+class PieceSender {
+ public:
+  PieceSender(comm::Communicator& comm, int to, std::string what) : comm_(comm), to_(to), what_(std::move(what)) {
+    piece_.reserve(kPiece);
+  }
+  Status Write(std::span<const float> part) {
+    while (!part.empty()) {
+      const size_t take = std::min(part.size(), kPiece - piece_.size());
+      piece_.insert(piece_.end(), part.begin(), part.begin() + static_cast<std::ptrdiff_t>(take));
+      part = part.subspan(take);
+      if (piece_.size() == kPiece) TANDEM_RETURN_IF_ERROR(Flush());
+    }
+    return Status::Ok();
+  }
+  Status Flush() {
+    if (piece_.empty()) return Status::Ok();
+    Status sent = comm_.Send(to_, piece_.data(), piece_.size(), comm::DType::kFloat32).WithContext(what_);
+    piece_.clear();
+    return sent;
+  }
+
+ private:
+  comm::Communicator& comm_;
+  int to_;
+  std::string what_;
+  std::vector<float> piece_;
+};
+
+Status ReceivePieces(comm::Communicator& comm, int from, size_t n, const ParamWriter& write, const std::string& what) {
+  std::vector<float> piece;
+  for (size_t at = 0; at < n; at += kPiece) {
+    piece.resize(std::min(kPiece, n - at));
+    TANDEM_RETURN_IF_ERROR(comm.Recv(from, piece.data(), piece.size(), comm::DType::kFloat32).WithContext(what));
+    TANDEM_RETURN_IF_ERROR(write(piece));
+  }
+  return Status::Ok();
+}
+
+// The whole model into train.params_out, in the whole model's layout
+// whatever the split, written by global rank 0 (stage 0, tensor rank 0, dp
+// rank 0). The dp-rank-0 workers take part: with tensor parallelism each
+// stage's tensor rank 0 receives its group's parts and turns them into the
+// whole model's tensors of the stage (model::WriteWholeStage); with
+// pipeline stages each stage's tensor rank 0 sends its stage to rank 0 in
+// pieces of 4 MiB. Rank 0 never holds more than one stage's worth and a
+// piece. Every worker calls this.
 Status WriteFinalParams(Setup& s, Runtime& runtime, const StepPlan& plan, const model::ModelConfig& whole,
                         const std::string& path) {
   const ParamWriter ignore = [](std::span<const float>) { return Status::Ok(); };
-  if (plan.stages <= 1) {
+  if (plan.stages <= 1 && plan.tensor_size <= 1) {
     if (plan.rank != 0) return ForEachParamPiece(s, runtime, ignore);
     return WriteParamsFrom(path, [&](const ParamWriter& write) { return ForEachParamPiece(s, runtime, write); });
   }
   if (plan.dp_rank != 0) return ForEachParamPiece(s, runtime, ignore);
-  constexpr size_t kPiece = size_t{1} << 20;  // floats
+  // This stage's values in the whole model's layout.
+  std::function<Status(const ParamWriter&)> stage_values = [&](const ParamWriter& out) {
+    return ForEachParamPiece(s, runtime, out);
+  };
+  if (plan.tensor_size > 1) {
+    if (plan.tensor_rank != 0) {
+      PieceSender to_rank0(*plan.tensor, 0, "sending this rank's final parameters to tensor-parallel rank 0");
+      TANDEM_RETURN_IF_ERROR(
+          ForEachParamPiece(s, runtime, [&](std::span<const float> p) { return to_rank0.Write(p); }));
+      return to_rank0.Flush();
+    }
+    stage_values = [&](const ParamWriter& out) -> Status {
+      model::ModelConfig c = s.model->config();
+      const int tp = static_cast<int>(plan.tensor_size);
+      const std::vector<size_t> bounds = model::PartBounds(c);
+      std::vector<std::vector<float>> parts(static_cast<size_t>(tp));
+      TANDEM_RETURN_IF_ERROR(ForEachParamPiece(s, runtime, [&](std::span<const float> p) {
+        parts[0].insert(parts[0].end(), p.begin(), p.end());
+        return Status::Ok();
+      }));
+      for (int r = 1; r < tp; ++r) {
+        const auto part = static_cast<size_t>(static_cast<int>(plan.stage) * tp + r);
+        auto& into = parts[static_cast<size_t>(r)];
+        into.reserve(bounds[part + 1] - bounds[part]);
+        TANDEM_RETURN_IF_ERROR(ReceivePieces(
+            *plan.tensor, r, bounds[part + 1] - bounds[part],
+            [&](std::span<const float> p) {
+              into.insert(into.end(), p.begin(), p.end());
+              return Status::Ok();
+            },
+            fmt::format("receiving tensor-parallel rank {}'s final parameters", r)));
+      }
+      const std::vector<std::span<const float>> spans(parts.begin(), parts.end());
+      return model::WriteWholeStage(c, static_cast<int>(plan.stage), spans, out);
+    };
+  }
+  if (plan.stages <= 1) return WriteParamsFrom(path, stage_values);
   comm::Communicator& pp = *plan.pipeline;
   if (plan.stage != 0) {
-    std::vector<float> piece;
-    piece.reserve(kPiece);
-    const auto flush = [&]() -> Status {
-      Status sent = pp.Send(0, piece.data(), piece.size(), comm::DType::kFloat32)
-                        .WithContext("sending this stage's final parameters to stage 0");
-      piece.clear();
-      return sent;
-    };
-    const ParamWriter send = [&](std::span<const float> part) -> Status {
-      while (!part.empty()) {
-        const size_t take = std::min(part.size(), kPiece - piece.size());
-        piece.insert(piece.end(), part.begin(), part.begin() + static_cast<std::ptrdiff_t>(take));
-        part = part.subspan(take);
-        if (piece.size() == kPiece) TANDEM_RETURN_IF_ERROR(flush());
-      }
-      return Status::Ok();
-    };
-    TANDEM_RETURN_IF_ERROR(ForEachParamPiece(s, runtime, send));
-    return piece.empty() ? Status::Ok() : flush();
+    PieceSender to_stage0(pp, 0, "sending this stage's final parameters to stage 0");
+    TANDEM_RETURN_IF_ERROR(stage_values([&](std::span<const float> p) { return to_stage0.Write(p); }));
+    return to_stage0.Flush();
   }
   model::ModelConfig c = whole;
   c.pipeline_stages = static_cast<int>(plan.stages);
-  const auto stages = model::PlanStages(c);
-  std::vector<float> piece;
+  const auto stages = model::PlanStages(c);  // the whole model's stage ranges
   return WriteParamsFrom(path, [&](const ParamWriter& write) -> Status {
-    TANDEM_RETURN_IF_ERROR(ForEachParamPiece(s, runtime, write));
+    TANDEM_RETURN_IF_ERROR(stage_values(write));
     for (size_t i = 1; i < stages.size(); ++i) {
-      const size_t n = stages[i].flat_end - stages[i].flat_begin;
-      for (size_t at = 0; at < n; at += kPiece) {
-        piece.resize(std::min(kPiece, n - at));
-        TANDEM_RETURN_IF_ERROR(pp.Recv(static_cast<int>(i), piece.data(), piece.size(), comm::DType::kFloat32)
-                                   .WithContext(fmt::format("receiving stage {}'s final parameters", i)));
-        TANDEM_RETURN_IF_ERROR(write(piece));
-      }
+      TANDEM_RETURN_IF_ERROR(ReceivePieces(pp, static_cast<int>(i), stages[i].flat_end - stages[i].flat_begin, write,
+                                           fmt::format("receiving stage {}'s final parameters", i)));
     }
     return Status::Ok();
   });
@@ -615,6 +685,12 @@ Result<v1::OptimizerConfig> OptimizerConfigOf(const TrainConfig& c) {
   if (c.schedule != "constant") schedule->set_total_steps(static_cast<uint64_t>(std::max<int64_t>(c.steps, 1)));
   o.set_max_grad_norm(c.max_grad_norm);
   (*o.mutable_group_overrides())["no_decay"].set_weight_decay(0);
+  // Tensor parallelism: the copies of the replicated tensors (all of them
+  // without decay: LayerNorms, biases, wpe) on tensor ranks above 0, which
+  // rank 0's copies already count in the gradient norm.
+  auto& copies = (*o.mutable_group_overrides())["tp_copy"];
+  copies.set_weight_decay(0);
+  copies.set_exclude_from_grad_norm(true);
   o.set_reduction(v1::GRADIENT_REDUCTION_SUM);
   return o;
 }
@@ -744,6 +820,14 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     if (plan->step > static_cast<uint64_t>(config.steps)) break;
     attempted_step = plan->step;
     attempted_epoch = plan->epoch;
+    if (plan->tensor_size > 1) {
+      // This epoch's tp group: the model's all-reduces go over it.
+      std::shared_ptr<comm::Communicator> group = plan->tensor;
+      setup->model->SetTensorParallel([group](float* data, size_t count, model::TpReduce op) {
+        return group->AllReduce(data, data, count, comm::DType::kFloat32,
+                                op == model::TpReduce::kMax ? comm::ReduceOp::kMax : comm::ReduceOp::kSum);
+      });
+    }
     const auto t0 = Clock::now();
     const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
     PipelineTiming timing;
@@ -774,7 +858,13 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       return share.status().WithContext(fmt::format("step {}", plan->step));
     }
     const auto t1 = Clock::now();
-    if (sample_log != nullptr && setup->model->first_stage()) {
+    if (plan->tensor_rank != 0) {
+      // The whole tp group computed the same loss on the same samples: rank 0 counts them.
+      share->loss_share = 0;
+      share->samples = 0;
+      share->tokens = 0;
+    }
+    if (sample_log != nullptr && setup->model->first_stage() && plan->tensor_rank == 0) {
       // Before the gradients leave: a step cannot complete without this line.
       std::fprintf(sample_log, "%s\n",
                    fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
