@@ -576,56 +576,73 @@ TEST(ModelTest, InitialValuesOfAnyRangeAreTheModelsOwn) {
 // On-demand parameters: a model whose parameters are all handed back
 // (zeros) and brought in segment by segment through ParameterAccess, each
 // released after use, computes the same loss and gradients bit for bit; the
-// passes ask for the segments in order (forward: embeddings, blocks, head;
-// backward: head, blocks in reverse), naming the next one.
+// passes ask for the segments in order, naming the next one: forward the
+// embeddings, each block in four parts and the head; backward the head and
+// the blocks' parts in reverse, or with activation checkpointing each block
+// whole (its recomputation needs three of the parts at once).
 TEST(ModelTest, ParametersBroughtInSegmentBySegmentGiveTheSameResults) {
-  ModelConfig c = Tiny();
-  c.layers = 3;
-  auto whole = Model::Create(c);
-  ASSERT_TRUE(whole.ok());
-  auto lazy = Model::Create(c, /*initialize=*/false);
-  ASSERT_TRUE(lazy.ok());
-  const std::vector<float> values(whole->params().begin(), whole->params().end());
-  const auto segments = lazy->Segments();
-  ASSERT_EQ(segments.size(), 5u);  // embeddings, 3 blocks, head
-  EXPECT_EQ(segments.front().first, 0u);
-  EXPECT_EQ(segments.back().second, lazy->num_parameters());
-  for (size_t i = 1; i < segments.size(); ++i) EXPECT_EQ(segments[i].first, segments[i - 1].second);
-  std::vector<std::pair<FlatRange, FlatRange>> asked;
-  int released = 0;
-  ParameterAccess access;
-  access.acquire = [&](FlatRange now, FlatRange next) {
-    asked.emplace_back(now, next);
-    std::copy(values.begin() + static_cast<std::ptrdiff_t>(now.first),
-              values.begin() + static_cast<std::ptrdiff_t>(now.second), lazy->params().begin() + now.first);
-    return Status::Ok();
-  };
-  access.release = [&](FlatRange now) {
-    ++released;
-    lazy->param_buffer().Release(now.first, now.second);
-  };
-  lazy->SetParameterAccess(access);
-  const std::vector<uint8_t> tokens = RandomBytes(16, 31), targets = RandomBytes(16, 32);
-  auto want = whole->Forward(tokens.data(), targets.data(), 2);
-  auto got = lazy->Forward(tokens.data(), targets.data(), 2);
-  ASSERT_TRUE(want.ok() && got.ok());
-  EXPECT_EQ(*want, *got);
-  ASSERT_TRUE(whole->Backward().ok());
-  ASSERT_TRUE(lazy->Backward().ok());
-  EXPECT_EQ(std::memcmp(whole->grads().data(), lazy->grads().data(), whole->grads().size_bytes()), 0);
-  // Forward: 5 segments, each naming the next; backward: head and 3 blocks.
-  ASSERT_EQ(asked.size(), 9u);
-  for (size_t i = 0; i < 5; ++i) {
-    EXPECT_EQ(asked[i].first, segments[i]);
-    EXPECT_EQ(asked[i].second, i + 1 < 5 ? segments[i + 1] : FlatRange(0, 0));
+  for (bool checkpointing : {false, true}) {
+    SCOPED_TRACE(checkpointing ? "checkpointing" : "no checkpointing");
+    ModelConfig c = Tiny();
+    c.layers = 3;
+    c.activation_checkpointing = checkpointing;
+    auto whole = Model::Create(c);
+    ASSERT_TRUE(whole.ok());
+    auto lazy = Model::Create(c, /*initialize=*/false);
+    ASSERT_TRUE(lazy.ok());
+    const std::vector<float> values(whole->params().begin(), whole->params().end());
+    const auto segments = lazy->Segments();
+    ASSERT_EQ(segments.size(), 14u);  // embeddings, 3 blocks x 4 parts, head
+    EXPECT_EQ(segments.front().first, 0u);
+    EXPECT_EQ(segments.back().second, lazy->num_parameters());
+    for (size_t i = 1; i < segments.size(); ++i) EXPECT_EQ(segments[i].first, segments[i - 1].second);
+    std::vector<std::pair<FlatRange, FlatRange>> asked;
+    int released = 0;
+    ParameterAccess access;
+    access.acquire = [&](FlatRange now, FlatRange next) {
+      asked.emplace_back(now, next);
+      std::copy(values.begin() + static_cast<std::ptrdiff_t>(now.first),
+                values.begin() + static_cast<std::ptrdiff_t>(now.second), lazy->params().begin() + now.first);
+      return Status::Ok();
+    };
+    access.release = [&](FlatRange now) {
+      ++released;
+      lazy->param_buffer().Release(now.first, now.second);
+    };
+    lazy->SetParameterAccess(access);
+    const std::vector<uint8_t> tokens = RandomBytes(16, 31), targets = RandomBytes(16, 32);
+    auto want = whole->Forward(tokens.data(), targets.data(), 2);
+    auto got = lazy->Forward(tokens.data(), targets.data(), 2);
+    ASSERT_TRUE(want.ok() && got.ok());
+    EXPECT_EQ(*want, *got);
+    ASSERT_TRUE(whole->Backward().ok());
+    ASSERT_TRUE(lazy->Backward().ok());
+    EXPECT_EQ(std::memcmp(whole->grads().data(), lazy->grads().data(), whole->grads().size_bytes()), 0);
+    // Forward: every segment in order, each naming the next.
+    std::vector<FlatRange> backward;
+    backward.push_back(segments.back());
+    for (int l = 2; l >= 0; --l) {
+      const auto* part = &segments[1 + 4 * static_cast<size_t>(l)];
+      if (checkpointing) {
+        backward.emplace_back(part[0].first, part[3].second);
+      } else {
+        for (int k = 3; k >= 0; --k) backward.push_back(part[k]);
+      }
+    }
+    ASSERT_EQ(asked.size(), segments.size() + backward.size());
+    for (size_t i = 0; i < segments.size(); ++i) {
+      EXPECT_EQ(asked[i].first, segments[i]);
+      EXPECT_EQ(asked[i].second, i + 1 < segments.size() ? segments[i + 1] : FlatRange(0, 0));
+    }
+    for (size_t i = 0; i < backward.size(); ++i) {
+      const auto& [now, next] = asked[segments.size() + i];
+      EXPECT_EQ(now, backward[i]) << "backward segment " << i;
+      EXPECT_EQ(next, i + 1 < backward.size() ? backward[i + 1] : FlatRange(0, 0));
+    }
+    EXPECT_EQ(released, static_cast<int>(asked.size()));
+    // Everything was handed back: the parameters read as zeros.
+    for (float v : lazy->params()) ASSERT_EQ(v, 0.0f);
   }
-  for (size_t i = 0; i < 4; ++i) {
-    EXPECT_EQ(asked[5 + i].first, segments[4 - i]);
-    EXPECT_EQ(asked[5 + i].second, i + 1 < 4 ? segments[3 - i] : FlatRange(0, 0));
-  }
-  EXPECT_EQ(released, 9);
-  // Everything was handed back: the parameters read as zeros.
-  for (float v : lazy->params()) ASSERT_EQ(v, 0.0f);
 }
 
 TEST(ModelTest, PipelineStagesChainedEqualTheWholeModelBitForBit) {

@@ -576,10 +576,36 @@ FlatRange Model::SegmentOf(int l) const {
   return prefix(fmt::format("blocks.{}.", l));
 }
 
+std::array<FlatRange, 4> Model::BlockParts(int l) const {
+  // Within a block the layout is ln1, attn.qkv, attn.proj, ln2, mlp.fc,
+  // mlp.proj: each part a contiguous run of it.
+  std::array<FlatRange, 4> parts;
+  const std::string p = fmt::format("blocks.{}.", l);
+  const auto range = [&](std::initializer_list<std::string_view> names) {
+    size_t b = SIZE_MAX, e = 0;
+    for (const TensorInfo& t : layout_) {
+      if (!t.name.starts_with(p)) continue;
+      for (std::string_view name : names) {
+        if (t.name.compare(p.size(), name.size(), name) != 0) continue;
+        b = std::min(b, t.offset);
+        e = std::max(e, t.offset + t.size);
+      }
+    }
+    return FlatRange(b - stage_.flat_begin, e - stage_.flat_begin);
+  };
+  parts[0] = range({"ln1.", "attn.qkv."});
+  parts[1] = range({"attn.proj.", "ln2."});
+  parts[2] = range({"mlp.fc."});
+  parts[3] = range({"mlp.proj."});
+  return parts;
+}
+
 std::vector<FlatRange> Model::Segments() const {
   std::vector<FlatRange> out;
   if (stage_.embeddings) out.push_back(SegmentOf(-1));
-  for (int l = stage_.first_block; l < stage_.end_block; ++l) out.push_back(SegmentOf(l));
+  for (int l = stage_.first_block; l < stage_.end_block; ++l) {
+    for (const FlatRange& part : BlockParts(l)) out.push_back(part);
+  }
   if (stage_.head) out.push_back(SegmentOf(config_.layers));
   return out;
 }
@@ -832,6 +858,7 @@ size_t Model::activation_bytes() const {
       bytes += v->capacity() * sizeof(float);
     }
   }
+  bytes += tp_scratch_.capacity() * sizeof(float);
   for (const std::vector<float>* v :
        {&encoded_,  &ln1_,      &ln1_mean_, &ln1_rstd_, &qkv_,     &att_,  &atty_,     &res_att_,  &ln2_,
         &ln2_mean_, &ln2_rstd_, &fch_,      &fch_gelu_, &res_mlp_, &lnf_,  &lnf_mean_, &lnf_rstd_, &logits_,
@@ -875,13 +902,17 @@ Status Model::TpReduceInPlace(float* data, size_t count, TpReduce op, const char
 // A row-parallel layer's output: the rank's partial product (no bias),
 // summed over the tp group, then the bias (replicated) added, as the whole
 // model's LinearForward adds it after its product.
-Status Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input) {
+// `next`, when given, moves on-demand parameters to the block's next part
+// before attn.proj and before mlp.fc.
+Status Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input,
+                             const std::function<Status()>& next) {
   const int T = config_.context, C = config_.d_model, H = heads_local(), F = hidden_local(), Cl = width_local();
   const size_t N = static_cast<size_t>(batch_) * static_cast<size_t>(T);
   const int n = static_cast<int>(N);
   LayerNormForward(a.ln1, a.ln1_mean, a.ln1_rstd, input, w.ln1_w, w.ln1_b, n, C);
   LinearForward(a.qkv, a.ln1, w.qkv_w, w.qkv_b, n, C, 3 * Cl);
   AttentionForward(a.atty, a.att, a.qkv, batch_, T, Cl, H);
+  if (next) TANDEM_RETURN_IF_ERROR(next());
   if (tp() == 1) {
     LinearForward(a.res_att, a.atty, w.proj_w, w.proj_b, n, C, C);
   } else {
@@ -891,6 +922,7 @@ Status Model::BlockInternals(const BlockTensors& w, const BlockActivations& a, c
   }
   for (size_t i = 0; i < N * C; ++i) a.res_att[i] += input[i];
   LayerNormForward(a.ln2, a.ln2_mean, a.ln2_rstd, a.res_att, w.ln2_w, w.ln2_b, n, C);
+  if (next) TANDEM_RETURN_IF_ERROR(next());
   LinearForward(a.fch, a.ln2, w.fc_w, w.fc_b, n, C, F);
   GeluForward(a.fch_gelu, a.fch, N * F);
   return Status::Ok();
@@ -958,6 +990,11 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   SegmentWalk walk(access_, access_.acquire ? Segments() : std::vector<FlatRange>());
   const auto acquire = [&] { return walk.Acquire(); };
   const auto release = [&] { walk.Release(); };
+  // From one part of a block to the next (nothing without on-demand parameters).
+  const std::function<Status()> next_part = [&] {
+    release();
+    return acquire();
+  };
 
   if (stage_.embeddings) {
     TANDEM_RETURN_IF_ERROR(acquire());
@@ -999,7 +1036,8 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
     const BlockActivations a = Activations(l);
     float* res_mlp = res_mlp_.data() + static_cast<size_t>(l - stage_.first_block) * N * C;
     TANDEM_RETURN_IF_ERROR(acquire());
-    TANDEM_RETURN_IF_ERROR(BlockInternals(w, a, residual));
+    TANDEM_RETURN_IF_ERROR(BlockInternals(w, a, residual, next_part));
+    TANDEM_RETURN_IF_ERROR(next_part());
     if (tp() == 1) {
       LinearForward(res_mlp, a.fch_gelu, w.fcproj_w, w.fcproj_b, n, F, C);
     } else {
@@ -1102,16 +1140,30 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     if (on_ready) on_ready(static_cast<size_t>(first - grads_.data()));
   };
   // On-demand parameters, last segment first (the embeddings' backward reads
-  // no parameters).
+  // no parameters). A block goes part by part (mlp.proj, mlp.fc, attn.proj
+  // and ln2, attn.qkv and ln1), or whole with activation checkpointing,
+  // whose recomputation needs all but mlp.proj first.
+  const bool whole_blocks = config_.activation_checkpointing;
   std::vector<FlatRange> segments;
   if (access_.acquire) {
-    segments = Segments();
-    if (stage_.embeddings) segments.erase(segments.begin());
-    std::reverse(segments.begin(), segments.end());
+    if (stage_.head) segments.push_back(SegmentOf(config_.layers));
+    for (int l = stage_.end_block - 1; l >= stage_.first_block; --l) {
+      if (whole_blocks) {
+        segments.push_back(SegmentOf(l));
+        continue;
+      }
+      const auto parts = BlockParts(l);
+      segments.insert(segments.end(), parts.rbegin(), parts.rend());
+    }
   }
   SegmentWalk walk(access_, std::move(segments));
   const auto acquire = [&] { return walk.Acquire(); };
   const auto release = [&] { walk.Release(); };
+  const auto next_part = [&]() -> Status {
+    if (whole_blocks) return Status::Ok();
+    release();
+    return acquire();
+  };
 
   const int blocks = stage_.end_block - stage_.first_block;  // >= 1
   if (stage_.head) {
@@ -1156,11 +1208,14 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     // column-parallel layer is the sum of the ranks' parts.
     const size_t NC = N * static_cast<size_t>(C);
     LinearBackward(dfch_.data(), gw.fcproj_w, gw.fcproj_b, dres_.data(), a.fch_gelu, w.fcproj_w, n, F, C);
+    TANDEM_RETURN_IF_ERROR(next_part());
     GeluBackward(dfch_.data(), a.fch, N * F);
     LinearBackward(dln_.data(), gw.fc_w, gw.fc_b, dfch_.data(), a.ln2, w.fc_w, n, C, F);
+    TANDEM_RETURN_IF_ERROR(next_part());
     TANDEM_RETURN_IF_ERROR(TpReduceInPlace(dln_.data(), NC, TpReduce::kSum, "ln2's gradient"));
     LayerNormBackward(dres_.data(), gw.ln2_w, gw.ln2_b, dln_.data(), a.res_att, w.ln2_w, a.ln2_mean, a.ln2_rstd, n, C);
     LinearBackward(datty_.data(), gw.proj_w, gw.proj_b, dres_.data(), a.atty, w.proj_w, n, Cl, C);
+    TANDEM_RETURN_IF_ERROR(next_part());
     AttentionBackward(dqkv_.data(), datt_.data(), datty_.data(), a.qkv, a.att, B, T, Cl, H);
     LinearBackward(dln_.data(), gw.qkv_w, gw.qkv_b, dqkv_.data(), a.ln1, w.qkv_w, n, C, 3 * Cl);
     TANDEM_RETURN_IF_ERROR(TpReduceInPlace(dln_.data(), NC, TpReduce::kSum, "ln1's gradient"));

@@ -92,6 +92,7 @@
 // time may use it. SetBlasThreads is process-wide.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -169,7 +170,8 @@ struct TensorInfo {
   bool replicated = true;
   // In ServerLayout, a replicated tensor's copy on a tensor rank above 0:
   // group "tp_copy", whose gradients do not count in the global gradient
-  // norm again (the trainer's optimizer configures the group).
+  // norm again (the runtime configures the group: kTensorParallelCopyGroup
+  // in worker/runtime/runtime.h).
   bool copy = false;
 };
 
@@ -246,11 +248,14 @@ using FlatRange = std::pair<size_t, size_t>;
 
 // Parameters on demand (the sharded placement, worker/runtime/runtime.h):
 // Forward and Backward call acquire(now, next) before their kernels read the
-// parameters of a segment `now` (the embeddings, one block, or ln_f and the
-// head) and release(now) once they no longer need them; `next` is the
-// segment the same pass needs after it (empty at the end of a pass), so that
-// its parameters can be fetched while `now` computes. An acquire error ends
-// the pass with that error. Backward of the embeddings reads no parameters.
+// parameters of a segment `now` (the embeddings, a part of a block, or ln_f
+// and the head: Segments()) and release(now) once they no longer need them;
+// `next` is the segment the same pass needs after it (empty at the end of a
+// pass), so that its parameters can be fetched while `now` computes. Backward
+// with activation checkpointing takes each block whole (its recomputation
+// reads three of the four parts before the first backward kernel). An
+// acquire error ends the pass with that error. Backward of the embeddings
+// reads no parameters.
 struct ParameterAccess {
   std::function<Status(FlatRange now, FlatRange next)> acquire;
   std::function<void(FlatRange now)> release;
@@ -296,7 +301,8 @@ class Model {
   PageBuffer& grad_buffer() { return grads_; }
 
   // The segments of params() that Forward reads one after another: the
-  // embeddings (first stage), each block, ln_f and the head (last stage).
+  // embeddings (first stage), each block in four parts (ln1 and attn.qkv,
+  // attn.proj and ln2, mlp.fc, mlp.proj), ln_f and the head (last stage).
   std::vector<FlatRange> Segments() const;
   // Installs (or, with empty functions, removes) on-demand parameter access.
   void SetParameterAccess(ParameterAccess access) { access_ = std::move(access); }
@@ -394,7 +400,8 @@ class Model {
   BlockActivations Activations(int l);
   // Block l's internal activations (everything up to the MLP's hidden layer)
   // from its input, for the current batch.
-  Status BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input);
+  Status BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input,
+                        const std::function<Status()>& next = nullptr);
 
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
@@ -408,6 +415,9 @@ class Model {
   // The range of the segment holding blocks.l (or the embeddings, l = -1, or
   // the head, l = layers), stage-relative.
   FlatRange SegmentOf(int l) const;
+  // Block l's four parts in the order Forward uses them: ln1 and attn.qkv,
+  // attn.proj and ln2, mlp.fc, mlp.proj.
+  std::array<FlatRange, 4> BlockParts(int l) const;
 
   // Workspace: activations of the last Forward (per layer where it applies,
   // layer-major; one layer's worth with activation checkpointing, marked

@@ -248,6 +248,16 @@ Status Runtime::AttachModel(ModelBinding model) {
   return Status::Ok();
 }
 
+v1::OptimizerConfig Runtime::OptimizerFor(int tp) const {
+  v1::OptimizerConfig config = options_.optimizer;
+  if (tp > 1) {
+    auto& copies = (*config.mutable_group_overrides())[std::string(kTensorParallelCopyGroup)];
+    copies.set_weight_decay(0);
+    copies.set_exclude_from_grad_norm(true);
+  }
+  return config;
+}
+
 Status Runtime::BindStage(const DataPlane::EpochView& view) {
   const int stages = static_cast<int>(std::max<uint32_t>(1, view.epoch.mesh().pp()));
   const int stage = static_cast<int>(view.rank.mesh().pp());
@@ -270,7 +280,7 @@ Status Runtime::BindStage(const DataPlane::EpochView& view) {
                     buffers->base + buffers->params.size(), (*bounds)[part], (*bounds)[part + 1]);
   }
   if (options_.mode == TrainingMode::kAllReduce) {
-    auto local = LocalOptimizer::Create(options_.optimizer, buffers->params.size());
+    auto local = LocalOptimizer::Create(OptimizerFor(tp), buffers->params.size());
     if (!local.ok()) return local.status().WithContext("optimizer");
     local_ = std::move(*local);
   }
@@ -601,7 +611,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
       const uint64_t from = std::max<uint64_t>(b, lo), to = std::min<uint64_t>(e, hi);
       if (from < to) std::memcpy(out + (from - b), params_.data() + (from - lo), (to - from) * sizeof(float));
     };
-    auto initialized = ps->Initialize(tensors, options_.optimizer, consistency, lo, hi, values);
+    auto initialized = ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
     if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
     if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
     servers_initialized_ = true;
@@ -939,7 +949,14 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
     }
     Status applied = local_->Step(params_, grads_, tensors_, &result.skipped, combine);
     result.optimizer_seconds = Seconds(Clock::now() - t0);
-    if (!applied.ok()) return applied;
+    if (!applied.ok()) {
+      if (!Fatal(applied)) {  // the parts' norm could not be summed: resync as after a failed step
+        failed_epoch_ = synced_epoch_;
+        last_failure_ = applied;
+        synced_epoch_ = 0;
+      }
+      return applied;
+    }
   }
   NoteParameterBytes();
   result.parameter_bytes = parameter_bytes_;
@@ -1069,16 +1086,18 @@ void Runtime::NoteParameterBytes() {
 void Runtime::Release(std::pair<size_t, size_t> now) {
   if (!sharded_) return;
   NoteParameterBytes();  // the segment in use and the one being gathered
-  // Not the elements the prefetch writes (a partition may straddle two
-  // segments): segments are adjacent, so those are at one end of `now`.
+  // Everything `now`'s gather wrote (whole partitions, which may reach into
+  // the neighbouring segments), but not the elements the prefetch writes.
   size_t from = now.first, to = now.second;
+  if (auto it = gathers_.find(now); it != gathers_.end() && it->second->span.first < it->second->span.second) {
+    from = std::min(from, it->second->span.first);
+    to = std::max(to, it->second->span.second);
+  }
   const auto [pb, pe] = prefetched_span_;
   if (pb < pe && pb < to && pe > from) {
-    if (pb > from) {
-      to = pb;
-    } else {
-      from = std::min(to, pe);
-    }
+    if (pb > from) param_pages_->Release(from, pb);
+    if (pe < to) param_pages_->Release(pe, to);
+    return;
   }
   param_pages_->Release(from, to);
 }

@@ -118,6 +118,14 @@ inline const std::vector<std::string>& TrainingModeNames() {
   return names;
 }
 
+// The optimizer group of the copies that tensor ranks above 0 keep of a
+// tensor-parallel model's replicated tensors (a model binding's tensor table
+// names them so). With tp > 1 the runtime adds it to the optimizer: no
+// weight decay (the replicated tensors of the reference model, LayerNorms,
+// biases and position embeddings, have none), and out of the global
+// gradient norm, which rank 0's copies already count in.
+inline constexpr std::string_view kTensorParallelCopyGroup = "tp_copy";
+
 struct RuntimeOptions {
   TrainingMode mode = TrainingMode::kHybrid;
   Placement placement = Placement::kReplicated;
@@ -274,8 +282,8 @@ class Runtime {
   // The sharded placement (no-ops when replicated): makes the parameters
   // [now.first, now.second) of the stage's buffer valid (waiting for their
   // gather from the node's workers), and starts gathering `next` (empty: none)
-  // meanwhile. Errors are the step's: the step fails. Release hands `now`'s
-  // pages back (but not those `next` is being gathered into). Every worker
+  // meanwhile. Errors are the step's: the step fails. Release hands back the pages
+  // `now`'s gather wrote (but not those `next` is being gathered into). Every worker
   // of a node acquires the same segments in the same order (they run the
   // same model); outside a step too (writing the final parameters).
   Status Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next);
@@ -302,6 +310,8 @@ class Runtime {
 
   Status Resync(const DataPlane::EpochView& view);
   Status BindStage(const DataPlane::EpochView& view);
+  // options_.optimizer, with the group of kTensorParallelCopyGroup when tp > 1.
+  v1::OptimizerConfig OptimizerFor(int tp) const;
   Status CheckBuffers(std::span<float> params, std::span<float> grads, const std::vector<v1::TensorSpec>& tensors);
   Status ResyncFromServers(const DataPlane::EpochView& view);
   Status ResyncAllReduce();

@@ -685,12 +685,6 @@ Result<v1::OptimizerConfig> OptimizerConfigOf(const TrainConfig& c) {
   if (c.schedule != "constant") schedule->set_total_steps(static_cast<uint64_t>(std::max<int64_t>(c.steps, 1)));
   o.set_max_grad_norm(c.max_grad_norm);
   (*o.mutable_group_overrides())["no_decay"].set_weight_decay(0);
-  // Tensor parallelism: the copies of the replicated tensors (all of them
-  // without decay: LayerNorms, biases, wpe) on tensor ranks above 0, which
-  // rank 0's copies already count in the gradient norm.
-  auto& copies = (*o.mutable_group_overrides())["tp_copy"];
-  copies.set_weight_decay(0);
-  copies.set_exclude_from_grad_norm(true);
   o.set_reduction(v1::GRADIENT_REDUCTION_SUM);
   return o;
 }
