@@ -142,6 +142,12 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   if (o.kill_worker_at > 0 && workers + (o.add_worker_at > 0 ? 1 : 0) < 2) {
     return InvalidArgument("--kill-worker-at needs at least two workers, so that one survives");
   }
+  if (o.kill_worker_at > 0 && workers / std::max<int64_t>(1, o.tp * o.pp) < 2) {
+    return InvalidArgument(
+        "--kill-worker-at with --tp {} --pp {}: the {} workers form one tp x pp slice, so the survivors could not "
+        "form the mesh; give at least {} workers",
+        o.tp, o.pp, workers, 2 * o.tp * o.pp);
+  }
   const bool servers_needed = o.train.mode != "allreduce";
   if (servers_needed && o.servers < 1) {
     return InvalidArgument("--mode {} needs parameter servers (--servers >= 1); --mode allreduce runs without",
