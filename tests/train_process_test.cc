@@ -467,8 +467,9 @@ TEST(TrainProcessTest, GradientClippingCountsEveryParameterOnceWhateverTheSplit)
 }
 
 // A tensor-parallel mesh that cannot be built fails before anything starts,
-// saying why: a tp group must lie inside a node, and tp must divide the
-// attention heads (and the vocabulary).
+// saying why: a tp group must lie inside a node, tp must divide the
+// attention heads (and the vocabulary), and a run that kills a worker needs
+// survivors enough for the mesh.
 TEST(TrainProcessTest, ATensorParallelMeshThatDoesNotFitFailsFast) {
   std::vector<std::string> argv = {BinDir() + "/tandem", "run", "--tp", "2", "--nodes", "2", "--steps", "1"};
   auto r = RunCommand(argv, std::chrono::seconds(30));
@@ -484,6 +485,12 @@ TEST(TrainProcessTest, ATensorParallelMeshThatDoesNotFitFailsFast) {
   r = RunCommand(argv, std::chrono::seconds(30));
   EXPECT_FALSE(r.exit.success());
   EXPECT_NE(r.output.find("--add-worker-at with --tp 2"), std::string::npos) << r.output;
+  // One tp group: no survivors could form the mesh after a kill.
+  argv = {BinDir() + "/tandem", "run", "--tp",    "2", "--nodes", "1", "--workers-per-node", "2",
+          "--kill-worker-at",   "2",   "--steps", "3"};
+  r = RunCommand(argv, std::chrono::seconds(30));
+  EXPECT_FALSE(r.exit.success());
+  EXPECT_NE(r.output.find("form one tp x pp slice"), std::string::npos) << r.output;
 }
 
 // The sharded placement (ZeRO-3): each worker of a node keeps only its
