@@ -1,5 +1,6 @@
 #include "common/proc_stat.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -29,6 +30,27 @@ double BootTime() {
   return boot;
 }
 
+// A whole /proc file, or nothing when it cannot be read. With plain reads:
+// the process may exit between the open and the read, which then fails with
+// ESRCH, and a stream buffer read through iterators throws on that.
+std::optional<std::string> ReadProcFile(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return std::nullopt;
+  std::string out;
+  char buf[4096];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n > 0) {
+      out.append(buf, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    ::close(fd);
+    if (n < 0) return std::nullopt;
+    return out;
+  }
+}
+
 }  // namespace
 
 std::optional<uint64_t> ReadPeakResidentBytes(pid_t pid) {
@@ -43,8 +65,9 @@ std::optional<uint64_t> ReadPeakResidentBytes(pid_t pid) {
 }
 
 std::optional<ProcStat> ReadProcStat(pid_t pid) {
-  std::ifstream file(pid == 0 ? std::string("/proc/self/stat") : "/proc/" + std::to_string(pid) + "/stat");
-  const std::string stat((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  const auto read = ReadProcFile(pid == 0 ? std::string("/proc/self/stat") : "/proc/" + std::to_string(pid) + "/stat");
+  if (!read) return std::nullopt;
+  const std::string& stat = *read;
   // The command name (field 2) may hold spaces: fields are counted after its ')'.
   const size_t paren = stat.rfind(')');
   if (paren == std::string::npos || paren + 2 > stat.size()) return std::nullopt;
