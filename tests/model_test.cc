@@ -755,21 +755,6 @@ class ThreadGroup {
   std::atomic<int> calls_{0};
 };
 
-// Element i of a rank's tensor t is this element of the whole model.
-size_t WholeElement(const TensorInfo& t, size_t i) {
-  const auto cols = static_cast<size_t>(t.col_end - t.col_begin);
-  size_t row = i / cols;
-  for (const auto& [b, e] : t.rows) {
-    if (row < static_cast<size_t>(e - b)) {
-      return t.whole_offset + (static_cast<size_t>(b) + row) * static_cast<size_t>(t.whole_cols) +
-             static_cast<size_t>(t.col_begin) + i % cols;
-    }
-    row -= static_cast<size_t>(e - b);
-  }
-  ADD_FAILURE() << t.name << " has no element " << i;
-  return 0;
-}
-
 // Tensor parallelism: T ranks (threads) computing together start from the
 // whole model's values (sliced), give the whole model's loss and, mapped
 // back through the tensor table, its gradients within fp32 rounding (the

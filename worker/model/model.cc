@@ -371,8 +371,9 @@ void Slice(TensorInfo& t, const ModelConfig& config) {
   t.size = static_cast<size_t>(kept_rows * (t.col_end - t.col_begin));
 }
 
-// The whole model's element of element i of a (sliced) tensor.
-size_t WholeIndex(const TensorInfo& t, size_t i) {
+}  // namespace
+
+size_t WholeElement(const TensorInfo& t, size_t i) {
   const auto cols = static_cast<size_t>(t.col_end - t.col_begin);
   size_t row = i / cols;
   const size_t col = i % cols;
@@ -386,8 +387,6 @@ size_t WholeIndex(const TensorInfo& t, size_t i) {
   }
   return t.whole_offset + t.whole_size;  // unreachable for i < t.size
 }
-
-}  // namespace
 
 std::vector<TensorInfo> TensorLayout(const ModelConfig& config) {
   std::vector<TensorInfo> out = WholeLayout(config);
@@ -471,7 +470,7 @@ Status WriteWholeStage(const ModelConfig& config, int stage, const std::vector<s
     for (int r = 0; r < tp; ++r) {
       const TensorInfo& t = ranks[static_cast<size_t>(r)][k];
       const float* from = parts[static_cast<size_t>(r)].data() + t.offset;
-      for (size_t i = 0; i < t.size; ++i) whole[WholeIndex(t, i) - t.whole_offset] = from[i];
+      for (size_t i = 0; i < t.size; ++i) whole[WholeElement(t, i) - t.whole_offset] = from[i];
     }
     TANDEM_RETURN_IF_ERROR(write(whole));
   }
@@ -554,50 +553,31 @@ Result<Model> Model::Create(const ModelConfig& config, bool initialize) {
   return model;
 }
 
-FlatRange Model::SegmentOf(int l) const {
-  // Layout order: wte, wpe, blocks..., ln_f, head (see TensorLayout).
-  const auto prefix = [&](const std::string& p) {
-    size_t b = SIZE_MAX, e = 0;
-    for (const TensorInfo& t : layout_) {
+FlatRange Model::RangeOf(std::initializer_list<std::string> prefixes) const {
+  size_t b = SIZE_MAX, e = 0;
+  for (const TensorInfo& t : layout_) {
+    for (const std::string& p : prefixes) {
       if (!t.name.starts_with(p)) continue;
       b = std::min(b, t.offset);
       e = std::max(e, t.offset + t.size);
     }
-    return FlatRange(b - stage_.flat_begin, e - stage_.flat_begin);
-  };
-  if (l < 0) {
-    const FlatRange te = prefix("wte."), pe = prefix("wpe.");
-    return {std::min(te.first, pe.first), std::max(te.second, pe.second)};
   }
-  if (l >= config_.layers) {
-    const FlatRange ln = prefix("ln_f."), head = prefix("head.");
-    return {std::min(ln.first, head.first), std::max(ln.second, head.second)};
-  }
-  return prefix(fmt::format("blocks.{}.", l));
+  return FlatRange(b - stage_.flat_begin, e - stage_.flat_begin);
+}
+
+FlatRange Model::SegmentOf(int l) const {
+  // Layout order: wte, wpe, blocks..., ln_f, head (see TensorLayout).
+  if (l < 0) return RangeOf({"wte.", "wpe."});
+  if (l >= config_.layers) return RangeOf({"ln_f.", "head."});
+  return RangeOf({fmt::format("blocks.{}.", l)});
 }
 
 std::array<FlatRange, 4> Model::BlockParts(int l) const {
   // Within a block the layout is ln1, attn.qkv, attn.proj, ln2, mlp.fc,
   // mlp.proj: each part a contiguous run of it.
-  std::array<FlatRange, 4> parts;
   const std::string p = fmt::format("blocks.{}.", l);
-  const auto range = [&](std::initializer_list<std::string_view> names) {
-    size_t b = SIZE_MAX, e = 0;
-    for (const TensorInfo& t : layout_) {
-      if (!t.name.starts_with(p)) continue;
-      for (std::string_view name : names) {
-        if (t.name.compare(p.size(), name.size(), name) != 0) continue;
-        b = std::min(b, t.offset);
-        e = std::max(e, t.offset + t.size);
-      }
-    }
-    return FlatRange(b - stage_.flat_begin, e - stage_.flat_begin);
-  };
-  parts[0] = range({"ln1.", "attn.qkv."});
-  parts[1] = range({"attn.proj.", "ln2."});
-  parts[2] = range({"mlp.fc."});
-  parts[3] = range({"mlp.proj."});
-  return parts;
+  return {RangeOf({p + "ln1.", p + "attn.qkv."}), RangeOf({p + "attn.proj.", p + "ln2."}), RangeOf({p + "mlp.fc."}),
+          RangeOf({p + "mlp.proj."})};
 }
 
 std::vector<FlatRange> Model::Segments() const {
@@ -633,7 +613,7 @@ void InitialValueStream::Fill(size_t begin, size_t end, float* out) {
         whole_->Fill(t.whole_offset, t.whole_offset + t.whole_size, cached_.data());
         cached_offset_ = t.whole_offset;
       }
-      for (size_t i = lo; i < hi; ++i) out[i - begin] = cached_[WholeIndex(t, i - t.offset) - t.whole_offset];
+      for (size_t i = lo; i < hi; ++i) out[i - begin] = cached_[WholeElement(t, i - t.offset) - t.whole_offset];
     }
     return;
   }

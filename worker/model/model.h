@@ -96,6 +96,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
@@ -179,6 +180,10 @@ struct TensorInfo {
 // without tensor parallelism), in its flat-buffer order (see the .cc file
 // for the order). REQUIRES: config.Validate().ok()
 std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
+
+// The element of the whole model's flat buffer that element i (< t.size)
+// of a tensor-parallel rank's tensor t holds (TensorInfo's rows and columns).
+size_t WholeElement(const TensorInfo& t, size_t i);
 
 // What the parameter servers hold: every (pipeline stage, tensor rank) part
 // of the configuration's split, part stage·tensor_parallel + rank after
@@ -412,6 +417,9 @@ class Model {
   PageBuffer params_;              // this stage's range of the flat buffer
   PageBuffer grads_;
   ParameterAccess access_;
+  // The stage-relative span of the tensors whose names start with any of
+  // `prefixes`.
+  FlatRange RangeOf(std::initializer_list<std::string> prefixes) const;
   // The range of the segment holding blocks.l (or the embeddings, l = -1, or
   // the head, l = layers), stage-relative.
   FlatRange SegmentOf(int l) const;
