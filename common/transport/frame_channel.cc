@@ -169,24 +169,43 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
 }
 
 void FrameChannel::SendLoop(Peer* peer) {
-  for (;;) {
+  // Everything queued goes out at once (up to kBatch frames), then the loop
+  // waits for those sends: a burst of replies (the pulls a step's update
+  // answers) costs one wake-up of this thread, not one per frame. Frames
+  // are posted in queue order from this one thread, so header i still pairs
+  // with payload i.
+  constexpr size_t kBatch = 32;
+  struct InFlight {
     Outgoing out;
+    std::unique_ptr<Request> head, body;
+  };
+  std::vector<InFlight> batch;
+  batch.reserve(kBatch);
+  for (;;) {
     {
       std::unique_lock lock(peer->mu);
       peer->cv.wait(lock, [&] { return stopping_.load() || !peer->failed.ok() || !peer->queue.empty(); });
       if (stopping_.load() || !peer->failed.ok()) return;
-      out = std::move(peer->queue.front());
-      peer->queue.pop_front();
+      while (!peer->queue.empty() && batch.size() < kBatch) {
+        batch.push_back(InFlight{std::move(peer->queue.front()), nullptr, nullptr});
+        peer->queue.pop_front();
+      }
     }
-    auto head = transport_->Send(peer->rank, ps::kHeaderTag, &out.header, sizeof(out.header));
-    std::unique_ptr<Request> body;
-    if (out.bytes > 0) body = transport_->Send(peer->rank, ps::kPayloadTag, out.payload, out.bytes);
-    Status status = WaitFor(*head, peer);
-    if (status.ok() && body) status = WaitFor(*body, peer);
-    head.reset();
-    body.reset();
-    if (out.done) out.done(status);
-    out.keep.reset();
+    for (InFlight& f : batch) {
+      f.head = transport_->Send(peer->rank, ps::kHeaderTag, &f.out.header, sizeof(f.out.header));
+      if (f.out.bytes > 0) f.body = transport_->Send(peer->rank, ps::kPayloadTag, f.out.payload, f.out.bytes);
+    }
+    Status status;
+    for (InFlight& f : batch) {
+      // After a failure the rest are not waited for: Fail stops the peer.
+      if (status.ok()) status = WaitFor(*f.head, peer);
+      if (status.ok() && f.body) status = WaitFor(*f.body, peer);
+      f.head.reset();
+      f.body.reset();
+      if (f.out.done) f.out.done(status);
+      f.out.keep.reset();
+    }
+    batch.clear();
     if (!status.ok()) {
       if (status.code() != StatusCode::kCancelled) Fail(peer, status);
       return;
