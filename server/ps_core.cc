@@ -1188,9 +1188,14 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
                        300);
     return;
   }
+  // Partition by partition, in id order (the order of the parameter space,
+  // which is the order the workers' next forward reads it): each one's
+  // replication and waiting pulls go out as soon as it is applied, while the
+  // next one is.
   Actions actions;
   std::vector<uint32_t> completed;
   for (auto& part : parts) {
+    Run(actions);
     // A step decided in an old epoch replicates in the current one.
     const uint64_t current = this->epoch();  // before the partition's lock (lock order)
     std::lock_guard plock(part->mu);
