@@ -5,7 +5,8 @@
 // same global batch and reports tokens per second, the ratio to the
 // single-process run, the median step and compute (forward + backward)
 // times, and the fraction of step time the workers spent waiting for
-// communication after backward: the communication that backward did not hide.
+// communication after backward and, in the next forward, for parameters still
+// arriving: the communication that the computation did not hide.
 #include <cmath>
 
 #include "cli/commands.h"
@@ -107,7 +108,7 @@ int BenchTrainCommand(int argc, char** argv) {
         o.workers_per_node, o.network);
     fmt::print(
         "# tokens/s over steps 2..N; 'exposed' is the share of step time spent waiting for communication after "
-        "backward\n");
+        "backward and for parameters still arriving during forward\n");
     fmt::print("{:<10} {:>7} {:>7} {:>10} {:>12} {:>9} {:>11} {:>8} {:>9}\n", "mode", "workers", "servers", "tokens/s",
                "vs 1 process", "step ms", "compute ms", "exposed", "loss");
   }

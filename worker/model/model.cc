@@ -687,7 +687,7 @@ void Model::ZeroGrads() {
   // With on-demand parameters (sharded placement) the gradient pages go
   // back to the kernel, so that only the ones backward writes come back;
   // otherwise clearing them in place avoids a page fault per page per step.
-  if (access_.acquire) {
+  if (access_.paged) {
     grads_.Zero();
   } else {
     std::fill(grads_.data(), grads_.data() + grads_.size(), 0.0f);

@@ -261,9 +261,14 @@ using FlatRange = std::pair<size_t, size_t>;
 // reads three of the four parts before the first backward kernel). An
 // acquire error ends the pass with that error. Backward of the embeddings
 // reads no parameters.
+//
+// Replicated placement uses acquire too, to wait for parameters still
+// arriving from the servers; `paged` says the buffers' pages go back to the
+// kernel between uses (sharded), which changes how gradients are zeroed.
 struct ParameterAccess {
   std::function<Status(FlatRange now, FlatRange next)> acquire;
   std::function<void(FlatRange now)> release;
+  bool paged = false;
 };
 
 enum class GradMode {

@@ -153,6 +153,9 @@ struct Runtime::Bucket {
   std::vector<uint16_t> wire_in;
   std::vector<std::shared_ptr<PsOp>> pushes;
   std::vector<std::shared_ptr<PsOp>> pulls;
+  // The task that lands the last step's pulled parameters (0: none since
+  // the last resync); Acquire waits for it.
+  uint64_t landed = 0;
 };
 
 Runtime::Runtime(RuntimeOptions options, DataPlane& plane) : options_(std::move(options)), plane_(plane) {
@@ -346,6 +349,15 @@ Result<StepPlan> Runtime::BeginStep() {
       }
     }
     if (view->epoch.epoch() != synced_epoch_) {
+      // The last step's parameters may still be landing: they are pulled
+      // again by the resync, so a failure to land them only matters when it
+      // ends training.
+      if (Status landing = Settle(); !landing.ok()) {
+        if (Fatal(landing)) return landing;
+        spdlog::info("epoch {}: the parameters of step {} did not all arrive ({}); the resync pulls them",
+                     view->epoch.epoch(), completed_, landing.ToString());
+      }
+      for (auto& b : buckets_) b->landed = 0;
       Status s = Resync(*view);
       if (!s.ok()) {
         if (Fatal(s)) return s.WithContext(fmt::format("joining epoch {}", view->epoch.epoch()));
@@ -378,10 +390,8 @@ Result<StepPlan> Runtime::BeginStep() {
   step_ = completed_ + 1;
   grads_step_ = 0;  // the model computes the new step's gradient into the buffer
   next_bucket_ = 0;
-  for (auto& b : buckets_) {
-    b->pushes.clear();
-    b->pulls.clear();
-  }
+  pulls_posted_ = false;
+  parameter_wait_ = 0;
   StepPlan plan;
   plan.step = step_;
   plan.epoch = synced_epoch_;
@@ -738,12 +748,18 @@ Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const 
       "every worker pushes the step again: servers that applied it count the pushes as duplicates",
       step, lagging, which);
   step_ = step;
+  pulls_posted_ = false;
   for (auto& b : buckets_) {
     b->pushes.clear();
     b->pulls.clear();
+  }
+  for (auto& b : buckets_) {
     TANDEM_RETURN_IF_ERROR(RunBucket(*b).WithContext(fmt::format("pushing step {} again", step)));
   }
-  TANDEM_RETURN_IF_ERROR(FinishBuckets().WithContext(fmt::format("pushing step {} again", step)));
+  TANDEM_RETURN_IF_ERROR(FinishPushes().WithContext(fmt::format("pushing step {} again", step)));
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    TANDEM_RETURN_IF_ERROR(LandBucket(**it).WithContext(fmt::format("pushing step {} again", step)));
+  }
   return true;
 }
 
@@ -829,7 +845,6 @@ Status Runtime::RunBucket(Bucket& b) {
   }
   PsClient* ps = plane_.ps_client();
   const bool bf16_out = options_.gradient_wire == v1::WIRE_DTYPE_BF16;
-  const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
   for (const auto& o : b.owned) {
     const void* src = o.grad;
     size_t bytes = o.count * sizeof(float);
@@ -839,62 +854,113 @@ Status Runtime::RunBucket(Bucket& b) {
       bytes = o.count * sizeof(uint16_t);
     }
     b.pushes.push_back(ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes));
-    // The pull is answered once every server applied the step, which needs
-    // every contribution of every partition: never before this worker's
-    // backward is over, so it may land in the parameters directly.
-    if (bf16_in) {
-      b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_BF16, b.wire_in.data() + o.wire_offset,
-                                 o.count * sizeof(uint16_t)));
-    } else {
-      b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_FP32, o.param, o.count * sizeof(float)));
-    }
+  }
+  if (!pulls_posted_) {
+    PostPulls();
+    pulls_posted_ = true;
   }
   return Status::Ok();
 }
 
-Status Runtime::FinishOnCommThread() {
-  TANDEM_RETURN_IF_ERROR(FinishBuckets());
+void Runtime::PostPulls() {
+  // Every pull of the step at once, in the order the next forward reads the
+  // parameters, with the first bucket's pushes: they wait at the servers, so
+  // each partition's new parameters leave as soon as it is applied. A pull
+  // is answered once the step is applied, which needs every contribution of
+  // every partition (synchronous steps are decided whole): never before
+  // this worker's backward is over, so it may land in the parameters
+  // directly.
+  PsClient* ps = plane_.ps_client();
+  const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    Bucket& b = **it;
+    for (const auto& o : b.owned) {
+      if (bf16_in) {
+        b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_BF16, b.wire_in.data() + o.wire_offset,
+                                   o.count * sizeof(uint16_t)));
+      } else {
+        b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_FP32, o.param, o.count * sizeof(float)));
+      }
+    }
+  }
+}
+
+Status Runtime::ReduceLoss() {
   return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
 }
 
-Status Runtime::FinishBuckets() {
-  if (options_.mode != TrainingMode::kAllReduce) {
-    const bool hybrid = options_.mode == TrainingMode::kHybrid;
-    const int local = hybrid ? node_->size() : 1;
-    for (auto& bp : buckets_) {
-      Bucket& b = *bp;
-      for (size_t i = 0; i < b.owned.size(); ++i) {
-        TANDEM_RETURN_IF_ERROR(
-            b.pushes[i]
-                ->Wait(options_.timeout)
-                .WithContext(fmt::format("step {}: pushing partition {}", step_, b.owned[i].partition)));
-      }
-      for (size_t i = 0; i < b.owned.size(); ++i) {
-        const auto& o = b.owned[i];
-        TANDEM_RETURN_IF_ERROR(b.pulls[i]
-                                   ->Wait(options_.timeout)
-                                   .WithContext(fmt::format("step {}: pulling partition {}", step_, o.partition)));
-        if (options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
-          optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
-        }
-        if (!o.edge_param.empty()) {
-          const auto [from, to] = b.cuts[o.cut];
-          std::memcpy(params_.data() + from, o.edge_param.data() + b.cut_offset[o.cut], (to - from) * sizeof(float));
-        }
-      }
-      if (local > 1 && !sharded_) {  // sharded: the pulled partitions stay the shard
-        std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
-        TANDEM_RETURN_IF_ERROR(
-            node_->AllGather(block_scratch_.data(), staging_.data(), b.block, comm::DType::kFloat32));
-        for (size_t k = 0; k < b.partitions.size(); ++k) {
-          const size_t owner = b.owner[k];
-          std::memcpy(params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
-                      (b.cuts[k].second - b.cuts[k].first) * sizeof(float));
-        }
-      }
+Status Runtime::FinishPushes() {
+  for (auto& bp : buckets_) {
+    Bucket& b = *bp;
+    for (size_t i = 0; i < b.pushes.size(); ++i) {
+      TANDEM_RETURN_IF_ERROR(
+          b.pushes[i]
+              ->Wait(options_.timeout)
+              .WithContext(fmt::format("step {}: pushing partition {}", step_, b.owned[i].partition)));
+    }
+    b.pushes.clear();
+  }
+  return Status::Ok();
+}
+
+Status Runtime::LandBucket(Bucket& b) {
+  for (size_t i = 0; i < b.pulls.size(); ++i) {
+    const auto& o = b.owned[i];
+    TANDEM_RETURN_IF_ERROR(b.pulls[i]
+                               ->Wait(options_.timeout)
+                               .WithContext(fmt::format("step {}: pulling partition {}", step_, o.partition)));
+    if (options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
+      optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
+    }
+    if (!o.edge_param.empty()) {
+      const auto [from, to] = b.cuts[o.cut];
+      std::memcpy(params_.data() + from, o.edge_param.data() + b.cut_offset[o.cut], (to - from) * sizeof(float));
+    }
+  }
+  b.pulls.clear();
+  const bool hybrid = options_.mode == TrainingMode::kHybrid;
+  if (hybrid && node_->size() > 1 && !sharded_) {  // sharded: the pulled partitions stay the shard
+    std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
+    TANDEM_RETURN_IF_ERROR(node_->AllGather(block_scratch_.data(), staging_.data(), b.block, comm::DType::kFloat32));
+    for (size_t k = 0; k < b.partitions.size(); ++k) {
+      const size_t owner = b.owner[k];
+      std::memcpy(params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
+                  (b.cuts[k].second - b.cuts[k].first) * sizeof(float));
     }
   }
   return Status::Ok();
+}
+
+uint64_t Runtime::EnqueueFinish() {
+  if (options_.mode == TrainingMode::kAllReduce) return Enqueue([this] { return ReduceLoss(); });
+  Enqueue([this] { return FinishPushes(); });
+  // Buckets land in the order the next forward reads them (the first
+  // elements first). Any pull answered proves the step decided, and a
+  // decided step is applied on every server: the step is complete once the
+  // first bucket landed, and the rest arrive while the next step's forward
+  // runs, which waits for each bucket in Acquire.
+  uint64_t complete = 0;
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    Bucket* b = it->get();
+    b->landed = Enqueue([this, b] { return LandBucket(*b); });
+    if (complete == 0 && options_.overlap_parameter_landing) complete = Enqueue([this] { return ReduceLoss(); });
+  }
+  if (complete == 0) complete = Enqueue([this] { return ReduceLoss(); });
+  return complete;
+}
+
+Status Runtime::Settle() {
+  std::unique_lock lock(mu_);
+  cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
+  Status status = std::move(step_status_);
+  step_status_ = Status::Ok();
+  comm_busy_ = 0;
+  // After a failure, the tasks that would have let go of these were skipped.
+  for (auto& b : buckets_) {
+    b->pushes.clear();
+    b->pulls.clear();
+  }
+  return status;
 }
 
 Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
@@ -907,24 +973,30 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);
   loss_in_[2] = static_cast<float>(tokens);
-  Enqueue([this] { return FinishOnCommThread(); });
+  const uint64_t complete = EnqueueFinish();
   const auto waited = Clock::now();
   Status status;
   double busy = 0;
   {
     std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
-    status = step_status_;
+    cv_.wait(lock, [&] { return finished_ >= complete; });
+    // A bucket landing after `complete` may have failed meanwhile: the step
+    // is complete all the same; the next Acquire reports that failure.
+    if (failed_ticket_ <= complete) status = step_status_;
     busy = comm_busy_;
-    step_status_ = Status::Ok();
     comm_busy_ = 0;
   }
+  // A failed step: what is still queued is skipped, and the next step
+  // starts from a clean status.
+  if (!status.ok()) (void)Settle();
   in_step_ = false;
   StepResult result;
   result.step = step_;
   result.epoch = synced_epoch_;
-  result.exposed_seconds = Seconds(Clock::now() - waited);
+  result.parameter_wait_seconds = parameter_wait_;
+  result.exposed_seconds = Seconds(Clock::now() - waited) + parameter_wait_;
   result.comm_seconds = busy;
+  parameter_wait_ = 0;
   if (!status.ok()) {
     failed_epoch_ = synced_epoch_;
     last_failure_ = status;
@@ -971,12 +1043,8 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
 
 void Runtime::AbandonStep(const Status& why) {
   if (!in_step_) return;
-  {
-    std::unique_lock lock(mu_);
-    cv_.wait(lock, [&] { return queue_.empty() && running_ == 0; });
-    step_status_ = Status::Ok();
-    comm_busy_ = 0;
-  }
+  (void)Settle();
+  parameter_wait_ = 0;
   in_step_ = false;
   failed_epoch_ = synced_epoch_;
   last_failure_ = why;
@@ -1053,7 +1121,23 @@ Status Runtime::Gather(GatherPlan& plan) {
 }
 
 Status Runtime::Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next) {
-  if (!sharded_ || now.first >= now.second) return Status::Ok();
+  if (now.first >= now.second) return Status::Ok();
+  const auto start = Clock::now();
+  Status status = sharded_ ? AcquireSharded(now, next) : AwaitLanding(now);
+  parameter_wait_ += Seconds(Clock::now() - start);
+  return status;
+}
+
+Status Runtime::AwaitLanding(std::pair<size_t, size_t> range) {
+  uint64_t ticket = 0;
+  for (const auto& b : buckets_) {
+    if (b->landed != 0 && b->begin < range.second && b->end > range.first) ticket = std::max(ticket, b->landed);
+  }
+  if (ticket == 0) return Status::Ok();
+  return WaitFor(ticket).WithContext("waiting for the last step's parameters from the servers");
+}
+
+Status Runtime::AcquireSharded(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next) {
   uint64_t ticket = 0;
   if (prefetch_ticket_ != 0 && prefetched_ == now) {
     ticket = prefetch_ticket_;
@@ -1118,7 +1202,10 @@ void Runtime::CommLoop() {
     const double dt = Seconds(Clock::now() - t0);
     lock.lock();
     comm_busy_ += dt;
-    if (!s.ok() && step_status_.ok()) step_status_ = std::move(s);
+    if (!s.ok() && step_status_.ok()) {
+      step_status_ = std::move(s);
+      failed_ticket_ = finished_ + 1;
+    }
     --running_;
     ++finished_;
     cv_.notify_all();

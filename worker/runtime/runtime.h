@@ -143,6 +143,12 @@ struct RuntimeOptions {
   std::chrono::milliseconds timeout{60000};
   // After a failed step, how long to wait for the coordinator's next epoch.
   std::chrono::milliseconds epoch_wait{60000};
+  // Server modes: EndStep returns once the step is complete and the
+  // parameters the next forward reads first have landed; the rest land
+  // while that forward runs. The loop must then call Acquire(range) before
+  // it reads parameters in `range` (the reference trainer's model does, a
+  // segment at a time). Off: EndStep waits for every parameter.
+  bool overlap_parameter_landing = false;
 };
 
 // What BeginStep tells the training loop.
@@ -204,11 +210,17 @@ struct ModelBinding {
 struct StepResult {
   uint64_t step = 0;
   uint64_t epoch = 0;
-  double loss = 0;               // the global loss: the sum of every rank's loss_share
-  uint64_t samples = 0;          // over every rank
-  uint64_t tokens = 0;           // over every rank
-  double comm_seconds = 0;       // time the communication thread worked on this step
-  double exposed_seconds = 0;    // time EndStep waited for communication after backward
+  double loss = 0;          // the global loss: the sum of every rank's loss_share
+  uint64_t samples = 0;     // over every rank
+  uint64_t tokens = 0;      // over every rank
+  double comm_seconds = 0;  // time the communication thread worked on this step
+  // Communication the computation did not hide: the time EndStep waited
+  // after backward, plus parameter_wait_seconds.
+  double exposed_seconds = 0;
+  // Time the step's forward and backward waited in Acquire for parameters:
+  // the last step's, still landing from the servers, or (sharded) a
+  // segment's gather from the node.
+  double parameter_wait_seconds = 0;
   double optimizer_seconds = 0;  // allreduce mode: the local optimizer step
   bool skipped = false;          // allreduce mode: a non-finite gradient skipped the update
   // The most memory this worker's copies of the parameters took during the
@@ -273,16 +285,20 @@ class Runtime {
   void GradientsReady(size_t ready_from);
 
   // Finishes the step: sends what is left, waits for the updated parameters
-  // (written into the attached buffer) and the global loss. `loss_share` is
+  // (written into the attached buffer; with overlap_parameter_landing only
+  // those the next forward reads first) and the global loss. `loss_share` is
   // this rank's loss times its share of the global batch; `samples` and
   // `tokens` are this rank's. A failure (a membership change, a peer that
   // died) leaves the step to be retried by the next BeginStep.
   Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens);
 
-  // The sharded placement (no-ops when replicated): makes the parameters
-  // [now.first, now.second) of the stage's buffer valid (waiting for their
-  // gather from the node's workers), and starts gathering `next` (empty: none)
-  // meanwhile. Errors are the step's: the step fails. Release hands back the pages
+  // Makes the parameters [now.first, now.second) of the stage's buffer
+  // valid. Replicated: waits for those still landing from the last step
+  // (overlap_parameter_landing; otherwise they already have). Sharded: waits
+  // for their gather from the node's workers, and starts gathering `next`
+  // (empty: none) meanwhile. The time waited counts as the step's
+  // parameter_wait_seconds. Errors are the step's: the step fails. Release
+  // (sharded only) hands back the pages
   // `now`'s gather wrote (but not those `next` is being gathered into). Every worker
   // of a node acquires the same segments in the same order (they run the
   // same model); outside a step too (writing the final parameters).
@@ -317,8 +333,18 @@ class Runtime {
   Status ResyncAllReduce();
   Status PlanBuckets(const DataPlane::EpochView& view);
   Status RunBucket(Bucket& bucket);
-  Status FinishOnCommThread();
-  Status FinishBuckets();
+  void PostPulls();
+  // EndStep's tasks: the pushes, each bucket's landing, the loss; returns
+  // the ticket after which the step is complete.
+  uint64_t EnqueueFinish();
+  Status FinishPushes();
+  Status LandBucket(Bucket& bucket);
+  Status ReduceLoss();
+  // Waits until the communication thread is idle; returns (and clears) the
+  // status of what failed since the last clear.
+  Status Settle();
+  Status AwaitLanding(std::pair<size_t, size_t> range);
+  Status AcquireSharded(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next);
   Result<bool> PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which);
   struct GatherPlan;
   GatherPlan& PlanGather(std::pair<size_t, size_t> range);
@@ -386,8 +412,10 @@ class Runtime {
   std::pair<size_t, size_t> prefetched_span_{0, 0};  // the elements that gather writes
   uint64_t prefetch_ticket_ = 0;
   uint64_t parameter_bytes_ = 0;  // the step's peak (StepResult::parameter_bytes)
+  double parameter_wait_ = 0;     // the step's time in Acquire (StepResult::parameter_wait_seconds)
   void NoteParameterBytes();
   size_t next_bucket_ = 0;
+  bool pulls_posted_ = false;  // this step's (RunBucket posts them with the first bucket)
   bool in_step_ = false;
   uint64_t step_ = 0;
   // The step whose whole gradient the attached buffer holds (EndStep was
@@ -407,6 +435,7 @@ class Runtime {
   uint64_t enqueued_ TANDEM_GUARDED_BY(mu_) = 0;  // tickets handed out
   uint64_t finished_ TANDEM_GUARDED_BY(mu_) = 0;  // tasks done (or skipped after a failure)
   Status step_status_ TANDEM_GUARDED_BY(mu_);
+  uint64_t failed_ticket_ TANDEM_GUARDED_BY(mu_) = 0;  // the task that set step_status_
   double comm_busy_ TANDEM_GUARDED_BY(mu_) = 0;
   bool quit_ TANDEM_GUARDED_BY(mu_) = false;
   std::atomic<bool> stopped_{false};

@@ -264,12 +264,13 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runti
       auto m = model::Model::Create(c, /*initialize=*/!sharded);
       if (!m.ok()) return m.status();
       s.model = std::make_unique<model::Model>(std::move(*m));
-      if (sharded) {
-        model::ParameterAccess access;
-        access.acquire = [runtime](model::FlatRange now, model::FlatRange next) { return runtime->Acquire(now, next); };
-        access.release = [runtime](model::FlatRange now) { runtime->Release(now); };
-        s.model->SetParameterAccess(std::move(access));
-      }
+      // Replicated too: the forward after a step waits in Acquire for the
+      // parameters still landing from the servers.
+      model::ParameterAccess access;
+      access.acquire = [runtime](model::FlatRange now, model::FlatRange next) { return runtime->Acquire(now, next); };
+      access.release = [runtime](model::FlatRange now) { runtime->Release(now); };
+      access.paged = sharded;
+      s.model->SetParameterAccess(std::move(access));
       if (stages > 1 || tp > 1) {
         spdlog::info("pipeline stage {} of {}, tensor-parallel rank {} of {}: blocks {}..{}{}{}, {} parameters", stage,
                      stages, tp_rank, tp, s.model->stage().first_block, s.model->stage().end_block - 1,
@@ -464,7 +465,8 @@ struct TrainMetrics {
                        .Add({})),
         exposed_ratio(prometheus::BuildGauge()
                           .Name("tandem_train_exposed_comm_ratio")
-                          .Help("Fraction of the last step's time spent waiting for communication after backward.")
+                          .Help("Fraction of the last step's time spent waiting for communication after backward and "
+                                "for parameters still arriving during forward.")
                           .Register(r)
                           .Add({})),
         step_seconds(prometheus::BuildHistogram()
@@ -500,7 +502,8 @@ struct TrainMetrics {
                          .Add({})),
         exposed_seconds(prometheus::BuildCounter()
                             .Name("tandem_train_exposed_comm_seconds_total")
-                            .Help("Time completed steps waited for communication after backward.")
+                            .Help("Time completed steps waited for communication after backward and for parameters "
+                                  "still arriving during forward.")
                             .Register(r)
                             .Add({})) {}
   prometheus::Gauge& step;
@@ -739,6 +742,8 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   if (!schedule.ok()) return schedule.status().WithContext("train.pipeline_schedule");
   auto whole = ModelConfigOf(config);
   if (!whole.ok()) return whole.status();
+  // The reference model acquires each segment before it reads it.
+  options->overlap_parameter_landing = true;
   Runtime runtime(*options, plane);
   TANDEM_RETURN_IF_ERROR(
       runtime.AttachModel(BindingOf(*setup, *whole, &runtime, options->placement == Placement::kSharded)));
@@ -883,7 +888,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     record.tokens = result->tokens;
     record.samples = result->samples;
     record.step_seconds = Seconds(Clock::now() - t0);
-    record.compute_seconds = Seconds(t1 - t0);
+    record.compute_seconds = Seconds(t1 - t0) - result->parameter_wait_seconds;
     record.comm_seconds = result->comm_seconds;
     record.exposed_seconds = result->exposed_seconds;
     record.world_size = plan->world_size;
