@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -29,7 +30,8 @@ inline std::string SourceDir() {
   return dir != nullptr ? dir : TANDEM_TEST_SOURCE_DIR;
 }
 
-// A fresh directory under /tmp, removed with everything in it at the end.
+// A fresh directory under /tmp, removed with everything in it at the end
+// (kept when TANDEM_TEST_KEEP_DIRS is set, to read the logs of a failure).
 class TempDir {
  public:
   TempDir() {
@@ -38,7 +40,7 @@ class TempDir {
   }
   ~TempDir() {
     std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+    if (!path_.empty() && std::getenv("TANDEM_TEST_KEEP_DIRS") == nullptr) std::filesystem::remove_all(path_, ec);
   }
   const std::string& path() const { return path_; }
   std::string File(const std::string& name, const std::string& contents = "") const {
