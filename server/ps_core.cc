@@ -1178,7 +1178,14 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
 
 void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
                                    double grad_scale) {
-  if (!parts.empty() && FailpointNumber("ps.crash_on_decide") == step) {
+  const auto crash_primary_of = FailpointNumber("ps.crash_on_decide_primary_of");
+  // With crash_on_decide_primary_of, only in epoch 1: the server that
+  // takes the partition over must not die of the same failpoint.
+  const bool crash_here = !crash_primary_of.has_value() ||
+                          (epoch == 1 && std::any_of(parts.begin(), parts.end(), [&](const std::shared_ptr<Part>& p) {
+                             return p->state.id == *crash_primary_of;
+                           }));
+  if (!parts.empty() && FailpointNumber("ps.crash_on_decide") == step && crash_here) {
     // The other servers have this server's share, so they decide the step
     // and apply it; this server's partitions are neither applied nor
     // replicated, and their promoted backups are one step behind.

@@ -4,6 +4,7 @@
 #include <climits>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -388,7 +389,8 @@ Result<StepPlan> Runtime::BeginStep() {
   in_step_ = true;
   parameter_bytes_ = 0;
   step_ = completed_ + 1;
-  grads_step_ = 0;  // the model computes the new step's gradient into the buffer
+  // Server modes: the last bucket's landing clears it (EnqueueFinish).
+  if (options_.mode == TrainingMode::kAllReduce) grads_step_ = 0;
   next_bucket_ = 0;
   pulls_posted_ = false;
   parameter_wait_ = 0;
@@ -758,7 +760,7 @@ Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const 
   }
   TANDEM_RETURN_IF_ERROR(FinishPushes().WithContext(fmt::format("pushing step {} again", step)));
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
-    TANDEM_RETURN_IF_ERROR(LandBucket(**it).WithContext(fmt::format("pushing step {} again", step)));
+    TANDEM_RETURN_IF_ERROR(LandBucket(**it, step).WithContext(fmt::format("pushing step {} again", step)));
   }
   return true;
 }
@@ -903,12 +905,11 @@ Status Runtime::FinishPushes() {
   return Status::Ok();
 }
 
-Status Runtime::LandBucket(Bucket& b) {
+Status Runtime::LandBucket(Bucket& b, uint64_t step) {
   for (size_t i = 0; i < b.pulls.size(); ++i) {
     const auto& o = b.owned[i];
-    TANDEM_RETURN_IF_ERROR(b.pulls[i]
-                               ->Wait(options_.timeout)
-                               .WithContext(fmt::format("step {}: pulling partition {}", step_, o.partition)));
+    Status pulled = b.pulls[i]->Wait(options_.timeout);
+    if (!pulled.ok()) return pulled.WithContext(fmt::format("step {}: pulling partition {}", step, o.partition));
     if (options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
       optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
     }
@@ -942,7 +943,15 @@ uint64_t Runtime::EnqueueFinish() {
   uint64_t complete = 0;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     Bucket* b = it->get();
-    b->landed = Enqueue([this, b] { return LandBucket(*b); });
+    const bool last = std::next(it) == buckets_.rend();
+    b->landed = Enqueue([this, b, last, step = step_]() -> Status {
+      TANDEM_RETURN_IF_ERROR(LandBucket(*b, step));
+      // Every partition of the stage applied the step: its gradient is no
+      // longer needed (unless the next step's gradient is already there).
+      uint64_t expected = step;
+      if (last) grads_step_.compare_exchange_strong(expected, 0);
+      return Status::Ok();
+    });
     if (complete == 0 && options_.overlap_parameter_landing) complete = Enqueue([this] { return ReduceLoss(); });
   }
   if (complete == 0) complete = Enqueue([this] { return ReduceLoss(); });
@@ -1128,6 +1137,11 @@ Status Runtime::Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t>
   return status;
 }
 
+Status Runtime::WaitForParameters() {
+  if (params_.empty()) return Status::Ok();
+  return AwaitLanding({0, params_.size()});
+}
+
 Status Runtime::AwaitLanding(std::pair<size_t, size_t> range) {
   uint64_t ticket = 0;
   for (const auto& b : buckets_) {
@@ -1198,7 +1212,13 @@ void Runtime::CommLoop() {
     lock.unlock();
     Status s;
     const auto t0 = Clock::now();
-    if (!failed) s = task();
+    if (stopped_) {
+      // Stop(): what is queued is not started (a pull could wait for its
+      // whole timeout), and whoever waits for it learns why.
+      if (!failed) s = Cancelled("the worker is stopping");
+    } else if (!failed) {
+      s = task();
+    }
     const double dt = Seconds(Clock::now() - t0);
     lock.lock();
     comm_busy_ += dt;

@@ -310,6 +310,12 @@ class Runtime {
   // the next BeginStep resynchronises in a newer epoch, as after a failed
   // EndStep.
   void AbandonStep(const Status& why);
+  // Waits until the parameters of the last step have all landed (with
+  // overlap_parameter_landing EndStep may return before); without Acquire,
+  // for a loop that is about to read the whole buffer (to save it). An error
+  // is a failed step: give it to AbandonStep, and the next BeginStep
+  // resynchronises.
+  Status WaitForParameters();
   // Whether a failure ends training (bad configuration or input, state that
   // no worker holds any more, Stop()) rather than a membership change to
   // wait out.
@@ -338,7 +344,7 @@ class Runtime {
   // the ticket after which the step is complete.
   uint64_t EnqueueFinish();
   Status FinishPushes();
-  Status LandBucket(Bucket& bucket);
+  Status LandBucket(Bucket& bucket, uint64_t step);
   Status ReduceLoss();
   // Waits until the communication thread is idle; returns (and clears) the
   // status of what failed since the last clear.
@@ -418,10 +424,14 @@ class Runtime {
   bool pulls_posted_ = false;  // this step's (RunBucket posts them with the first bucket)
   bool in_step_ = false;
   uint64_t step_ = 0;
-  // The step whose whole gradient the attached buffer holds (EndStep was
-  // called for it, and no later BeginStep handed the buffer back to the
-  // model): what a resync pushes again when only some servers applied it.
-  uint64_t grads_step_ = 0;
+  // The step whose whole gradient the attached buffer holds: what a resync
+  // pushes again when only some servers applied it. Set by EndStep; cleared
+  // once the step's last bucket landed (every partition of the stage
+  // applied), or by BeginStep when nothing is landing. Until the next
+  // backward the model leaves the gradient buffer alone, so a landing that
+  // fails in the next forward can still push the step again. Atomic: the
+  // communication thread clears it.
+  std::atomic<uint64_t> grads_step_{0};
   uint32_t grads_world_ = 0;  // how many workers pushed it
   float loss_in_[3] = {0, 0, 0};
   float loss_out_[3] = {0, 0, 0};

@@ -816,7 +816,21 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     completed_step = plan->step - 1;
     last_plan = *plan;
-    if (plan->step > static_cast<uint64_t>(config.steps)) break;
+    if (plan->step > static_cast<uint64_t>(config.steps)) {
+      // The last step's parameters may still be landing: all of them must be
+      // in place before they are written out, and a landing cut off by a
+      // membership change is pulled again by a resync.
+      Status landed = runtime.WaitForParameters();
+      if (landed.ok()) break;
+      if (runtime.Fatal(landed)) {
+        close_progress();
+        return landed;
+      }
+      spdlog::warn("the parameters of step {} did not all arrive; resynchronising: {}", completed_step,
+                   landed.ToString());
+      runtime.AbandonStep(landed);
+      continue;
+    }
     attempted_step = plan->step;
     attempted_epoch = plan->epoch;
     if (plan->tensor_size > 1) {
