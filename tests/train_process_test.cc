@@ -552,8 +552,10 @@ struct HandRun {
   std::string failure;      // empty when every step completed
 };
 
+// `failpoint` goes to server-0, or to every server with `every_server`.
 HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t parameters, int steps,
-                  const std::string& failpoint) {
+                  const std::string& failpoint, bool every_server = false,
+                  const std::vector<std::string>& worker_args = {}) {
   HandRun out;
   const std::string work = dir.path() + "/" + name;
   std::filesystem::create_directories(work);
@@ -584,8 +586,9 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
       const std::string log = ReadFile(daemons[i].log_file);
       if (daemons[i].name.rfind("worker", 0) == 0) out.worker_logs += log;
       if (daemons[i].name.rfind("server", 0) == 0) {
-        if (daemons[i].name == "server-0" && !failpoint.empty()) {
-          out.crashed = exit.ok() && exit->signal == SIGKILL;
+        const bool killed = exit.ok() && exit->signal == SIGKILL;
+        if (!failpoint.empty() && (every_server ? killed : daemons[i].name == "server-0")) {
+          out.crashed = out.crashed || killed;
         } else {
           out.server_logs += log;
         }
@@ -602,7 +605,7 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
   const std::string coordinator = daemons[0].ready.grpc_address;
   for (int i = 0; i < 3; ++i) {
     std::vector<std::string> prefix;
-    if (i == 0 && !failpoint.empty()) prefix = {"/usr/bin/env", "TANDEM_FAILPOINTS=" + failpoint};
+    if ((i == 0 || every_server) && !failpoint.empty()) prefix = {"/usr/bin/env", "TANDEM_FAILPOINTS=" + failpoint};
     if (!launch("tandem-server", "server-" + std::to_string(i),
                 {"--coordinator-address", coordinator, "--node-id", "node-s" + std::to_string(i)}, prefix)) {
       finish();
@@ -616,6 +619,7 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
         std::to_string(steps),   "--train-mode", "hybrid",    "--train-progress-file",         work + "/progress.jsonl",
         "--train-params-out",    params_file};
     args.insert(args.end(), Model().begin(), Model().end());
+    args.insert(args.end(), worker_args.begin(), worker_args.end());
     if (!launch("tandem-worker", "worker-" + std::to_string(i), args)) {
       finish();
       return out;
@@ -653,6 +657,34 @@ TEST(TrainProcessTest, AServerDyingBetweenItsDecisionAndItsBackupsLosesNoUpdate)
   ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
   EXPECT_TRUE(crash.crashed);
   EXPECT_NE(crash.server_logs.find("promoted to primary"), std::string::npos) << crash.server_logs;
+  EXPECT_NE(crash.worker_logs.find("every worker pushes the step again"), std::string::npos) << crash.worker_logs;
+  ASSERT_EQ(crash.params.size(), parameters);
+  ASSERT_EQ(reference.params.size(), parameters);
+  EXPECT_EQ(std::memcmp(crash.params.data(), reference.params.data(), parameters * sizeof(float)), 0);
+}
+
+// The same failure on the primary of partition 1, which never holds
+// partition 0 (three servers take partitions in turn), with buckets of one
+// partition: the workers' EndStep returns once the first bucket (partition
+// 0, what the next forward reads first) landed, and the dead server's pulls
+// fail only in that forward. The step is still pushed again from the
+// gradients the workers kept, with the same result.
+TEST(TrainProcessTest, AServerDyingAfterItsDecisionWhileTheParametersLandLosesNoUpdate) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const size_t parameters = local.params.size();
+  ASSERT_GT(parameters, 3u * 4096u);
+  constexpr int kSteps = 8;
+  const std::vector<std::string> buckets = {"--train-bucket-bytes", "16KiB"};
+  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, "", false, buckets);
+  ASSERT_TRUE(reference.failure.empty()) << reference.failure << "\n" << reference.worker_logs;
+  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps,
+                                  "ps.crash_on_decide=4,ps.crash_on_decide_primary_of=1", true, buckets);
+  ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
+  EXPECT_TRUE(crash.crashed);
+  // Step 4 completed (partition 0 landed) and the failure came in step 5's forward.
+  EXPECT_NE(crash.worker_logs.find("waiting for the last step's parameters"), std::string::npos) << crash.worker_logs;
   EXPECT_NE(crash.worker_logs.find("every worker pushes the step again"), std::string::npos) << crash.worker_logs;
   ASSERT_EQ(crash.params.size(), parameters);
   ASSERT_EQ(reference.params.size(), parameters);
