@@ -937,9 +937,11 @@ uint64_t Runtime::EnqueueFinish() {
   Enqueue([this] { return FinishPushes(); });
   // Buckets land in the order the next forward reads them (the first
   // elements first). Any pull answered proves the step decided, and a
-  // decided step is applied on every server: the step is complete once the
-  // first bucket landed, and the rest arrive while the next step's forward
-  // runs, which waits for each bucket in Acquire.
+  // decided step is applied on every server (a server that died before
+  // applying it has it pushed again after the resync, from the gradient
+  // kept until the last bucket landed): the step is complete once the first
+  // bucket landed, and the rest arrive while the next step's forward runs,
+  // which waits for each bucket in Acquire.
   uint64_t complete = 0;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     Bucket* b = it->get();
