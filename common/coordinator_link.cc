@@ -113,6 +113,7 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
     if (!on_epoch) return Status::Ok();
     return on_epoch(epoch, *session);
   };
+  options.on_newer_epoch = hooks.on_newer_epoch;
   options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };
   // Not reachable until the first registration succeeds.
   options.on_connection(false, "not registered yet");

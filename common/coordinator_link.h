@@ -40,6 +40,9 @@ struct MemberHooks {
   // Called for every epoch this member is part of, before it is acknowledged
   // (an error is reported to the coordinator, which re-forms without it).
   std::function<Status(const v1::MembershipEpoch&, MemberSession&)> on_epoch;
+  // The coordinator has published an epoch newer than the one on_epoch is
+  // handling (MemberSessionOptions::on_newer_epoch).
+  std::function<void(uint64_t latest_epoch)> on_newer_epoch;
   // Progress in the member's communicators, for heartbeats.
   std::function<std::vector<v1::CollectiveProgress>()> collective_progress;
 };

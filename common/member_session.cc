@@ -287,6 +287,9 @@ void MemberSession::HeartbeatLoop() {
       v1::HeartbeatResponse response;
       const grpc::Status s = stub_->Heartbeat(&ctx, request, &response);
       if (s.ok()) {
+        if (response.latest_epoch() > request.epoch() && request.epoch() != 0 && options_.on_newer_epoch) {
+          options_.on_newer_epoch(response.latest_epoch());
+        }
         if (response.command() == v1::MEMBER_COMMAND_DRAIN) {
           // Drained by an administrator: it is already out of the epochs; leave the job and stop.
           if (options_.on_drain) options_.on_drain();

@@ -47,6 +47,12 @@ struct MemberSessionOptions {
   std::function<void(bool connected, const std::string& detail)> on_connection;
   // Called when the coordinator asks the member to drain; the session then
   // leaves the job and stops.
+  // Called from the heartbeat thread when the coordinator reports a newer
+  // epoch than the one this member is handling. on_epoch runs on the thread
+  // that reads epochs, so it cannot see the newer one itself: this lets it
+  // give up building an epoch that is already superseded instead of waiting
+  // out its timeouts for peers that moved on.
+  std::function<void(uint64_t latest_epoch)> on_newer_epoch;
   std::function<void()> on_drain;
   // Called before each heartbeat for the member's progress in each
   // communicator of its epoch (HeartbeatRequest.collectives; entries beyond

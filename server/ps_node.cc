@@ -426,6 +426,12 @@ Status PsNode::Hook(MemberHooks* hooks) {
   hooks->on_epoch = [this](const v1::MembershipEpoch& epoch, MemberSession& session) {
     return OnEpoch(epoch, session);
   };
+  hooks->on_newer_epoch = [this](uint64_t latest) {
+    std::lock_guard lock(building_mu_);
+    if (building_ != nullptr && building_->epoch() < latest) {
+      building_->Cancel(fmt::format("epoch {} was superseded by epoch {}", building_->epoch(), latest));
+    }
+  };
   return Status::Ok();
 }
 
@@ -436,6 +442,10 @@ std::shared_ptr<PsNode::Group> PsNode::Current() const {
 
 void PsNode::Stop() {
   if (stopping_.exchange(true)) return;
+  {
+    std::lock_guard lock(building_mu_);
+    if (building_ != nullptr) building_->Cancel("the server is stopping");
+  }
   metrics_cv_.notify_all();
   std::shared_ptr<Group> group;
   {
@@ -482,10 +492,21 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   for (const auto& peer : epoch.peers()) {
     if (peer.member_id() == self) ucx.hostname = peer.node().hostname();
   }
-  TANDEM_ASSIGN_OR_RETURN(auto ps_group, transport::BuildPsGroup(epoch, self, rendezvous, ucx, config_.timeout));
+  {
+    // A newer epoch (reported by heartbeats) or Stop() cancels the build.
+    std::lock_guard lock(building_mu_);
+    if (stopping_) return Cancelled("the server is stopping");
+    building_ = &rendezvous;
+  }
+  auto ps_group = transport::BuildPsGroup(epoch, self, rendezvous, ucx, config_.timeout);
+  {
+    std::lock_guard lock(building_mu_);
+    building_ = nullptr;
+  }
+  if (!ps_group.ok()) return ps_group.status();
   auto group = std::make_shared<Group>();
   group->epoch = epoch.epoch();
-  group->group = std::move(ps_group);
+  group->group = std::move(ps_group).value();
   std::vector<int> peers;
   for (int r = 0; r < static_cast<int>(group->group.members.size()); ++r) {
     if (r != group->group.rank) peers.push_back(r);

@@ -26,6 +26,7 @@
 #include <thread>
 
 #include "common/coordinator_link.h"
+#include "common/coordinator_rendezvous.h"
 #include "common/daemon.h"
 #include "common/thread_annotations.h"
 #include "common/transport/frame_channel.h"
@@ -90,6 +91,9 @@ class PsNode final : public ServerLinks {
   uint64_t member_id_ TANDEM_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> next_request_{1};
   std::atomic<bool> stopping_{false};
+  // The rendezvous of the epoch being built, for a newer epoch or Stop() to cancel.
+  std::mutex building_mu_;
+  comm::CoordinatorRendezvous* building_ TANDEM_GUARDED_BY(building_mu_) = nullptr;
   struct Metrics;
   std::unique_ptr<Metrics> metrics_;
   std::thread metrics_thread_;

@@ -758,5 +758,58 @@ TEST(MemberSessionProgressTest, HeartbeatsCarryCollectiveProgress) {
   EXPECT_GT(calls.load(), 0);
 }
 
+// A member whose on_epoch is stuck (building communicators with peers that
+// moved on) cannot read the newer epoch from its watch stream: its
+// heartbeats tell it, through on_newer_epoch, so that it can give up.
+TEST(MemberSessionProgressTest, AMemberStuckInAnEpochHearsOfTheNewerOneFromItsHeartbeats) {
+  TestCoordinator coordinator;
+  v1::JobSpec spec = TestCoordinator::Spec("n", 1);
+  spec.set_max_workers(2);
+  ASSERT_TRUE(coordinator.core().CreateJob(spec).ok());
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t newer = 0;
+  std::vector<uint64_t> handled;
+  MemberSessionOptions options;
+  options.job_id = "n";
+  options.node.set_hostname("host-a");
+  options.node.mutable_capabilities()->add_transports("shm");
+  v1::Endpoint endpoint;
+  endpoint.set_transport("shm");
+  options.endpoints.push_back(endpoint);
+  options.on_epoch = [&](const v1::MembershipEpoch& epoch) {
+    std::unique_lock lock(mu);
+    handled.push_back(epoch.epoch());
+    cv.notify_all();
+    if (handled.size() == 1) {
+      // Stuck until told of a newer epoch (or 20 s, which fails the test).
+      cv.wait_for(lock, std::chrono::seconds(20), [&] { return newer > epoch.epoch(); });
+      return Cancelled("epoch {} was superseded", epoch.epoch());
+    }
+    return Status::Ok();
+  };
+  options.on_newer_epoch = [&](uint64_t latest) {
+    std::lock_guard lock(mu);
+    newer = std::max(newer, latest);
+    cv.notify_all();
+  };
+  MemberSession session(coordinator.channel(), options);
+  {
+    std::unique_lock lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return !handled.empty(); }));
+  }
+  const uint64_t first = coordinator.WaitEpoch("n");
+  ASSERT_NE(first, 0u);
+  // A second worker joins: a newer epoch, which the stuck member hears of.
+  const auto joined_at = Clock::now();
+  coordinator.Register("n", "host-b");
+  std::unique_lock lock(mu);
+  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return handled.size() >= 2; }))
+      << "newer epoch heard: " << newer;
+  EXPECT_GT(newer, first);
+  EXPECT_GT(handled.back(), first);
+  EXPECT_LT(Clock::now() - joined_at, std::chrono::seconds(5));
+}
+
 }  // namespace
 }  // namespace tandem::comm

@@ -172,6 +172,12 @@ Status DataPlane::Hook(MemberHooks* hooks) {
   hooks->on_epoch = [this](const v1::MembershipEpoch& epoch, MemberSession& session) {
     return OnEpoch(epoch, session);
   };
+  hooks->on_newer_epoch = [this](uint64_t latest) {
+    std::lock_guard lock(building_mu_);
+    if (building_ != nullptr && building_->epoch() < latest) {
+      building_->Cancel(fmt::format("epoch {} was superseded by epoch {}", building_->epoch(), latest));
+    }
+  };
   hooks->collective_progress = [this] {
     std::lock_guard lock(mu_);
     return manager_ ? manager_->CollectiveProgress() : std::vector<v1::CollectiveProgress>{};

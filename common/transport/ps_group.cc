@@ -60,7 +60,8 @@ Result<PsGroup> BuildPsGroup(const v1::MembershipEpoch& epoch, uint64_t self, co
   }
   auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
   Status connected = group.transport->Connect(group.rank, static_cast<int>(group.members.size()), addresses,
-                                              std::max(left, std::chrono::milliseconds(1000)));
+                                              std::max(left, std::chrono::milliseconds(1000)),
+                                              [&rendezvous] { return rendezvous.cancelled(); });
   if (!connected.ok()) {
     return connected.WithContext(fmt::format("parameter-server group of epoch {}", epoch.epoch()));
   }
