@@ -709,16 +709,22 @@ TEST(CoordinatorRendezvousTest, PutAndGetThroughTheCoordinator) {
   EXPECT_EQ(rb.Put("nccl/late", "x").code(), StatusCode::kAborted);
 }
 
-TEST(MemberSessionProgressTest, HeartbeatsCarryCollectiveProgress) {
-  TestCoordinator coordinator;
-  ASSERT_TRUE(coordinator.core().CreateJob(TestCoordinator::Spec("s", 1)).ok());
+// A worker's session options on `host`, with a shared-memory endpoint.
+MemberSessionOptions WorkerSessionOptions(const std::string& job, const std::string& host) {
   MemberSessionOptions options;
-  options.job_id = "s";
-  options.node.set_hostname("host-s");
+  options.job_id = job;
+  options.node.set_hostname(host);
   options.node.mutable_capabilities()->add_transports("shm");
   v1::Endpoint endpoint;
   endpoint.set_transport("shm");
   options.endpoints.push_back(endpoint);
+  return options;
+}
+
+TEST(MemberSessionProgressTest, HeartbeatsCarryCollectiveProgress) {
+  TestCoordinator coordinator;
+  ASSERT_TRUE(coordinator.core().CreateJob(TestCoordinator::Spec("s", 1)).ok());
+  MemberSessionOptions options = WorkerSessionOptions("s", "host-s");
   std::atomic<int> calls{0};
   options.collective_progress = [&calls] {
     ++calls;
@@ -770,13 +776,7 @@ TEST(MemberSessionProgressTest, AMemberStuckInAnEpochHearsOfTheNewerOneFromItsHe
   std::condition_variable cv;
   uint64_t newer = 0;
   std::vector<uint64_t> handled;
-  MemberSessionOptions options;
-  options.job_id = "n";
-  options.node.set_hostname("host-a");
-  options.node.mutable_capabilities()->add_transports("shm");
-  v1::Endpoint endpoint;
-  endpoint.set_transport("shm");
-  options.endpoints.push_back(endpoint);
+  MemberSessionOptions options = WorkerSessionOptions("n", "host-a");
   options.on_epoch = [&](const v1::MembershipEpoch& epoch) {
     std::unique_lock lock(mu);
     handled.push_back(epoch.epoch());
