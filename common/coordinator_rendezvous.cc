@@ -47,6 +47,12 @@ void CoordinatorRendezvous::Cancel(const std::string& reason) {
   cv_.notify_all();
 }
 
+void CoordinatorRendezvous::CancelIfSuperseded(uint64_t latest) {
+  if (options_.epoch < latest) {
+    Cancel(fmt::format("epoch {} was superseded by epoch {}", options_.epoch, latest));
+  }
+}
+
 Status CoordinatorRendezvous::Track(grpc::ClientContext* ctx) {
   std::lock_guard lock(mu_);
   current_ = ctx;

@@ -70,6 +70,9 @@ class CoordinatorRendezvous : public Rendezvous {
   // Fails the calls in progress and every later one with CANCELLED and
   // `reason`.
   void Cancel(const std::string& reason);
+  // Cancels when this rendezvous's epoch is older than `latest` (the build
+  // it serves is for a superseded epoch).
+  void CancelIfSuperseded(uint64_t latest);
   bool cancelled() const override { return cancelled_flag_.load(); }
 
   uint64_t epoch() const { return options_.epoch; }

@@ -174,9 +174,7 @@ Status DataPlane::Hook(MemberHooks* hooks) {
   };
   hooks->on_newer_epoch = [this](uint64_t latest) {
     std::lock_guard lock(building_mu_);
-    if (building_ != nullptr && building_->epoch() < latest) {
-      building_->Cancel(fmt::format("epoch {} was superseded by epoch {}", building_->epoch(), latest));
-    }
+    if (building_ != nullptr) building_->CancelIfSuperseded(latest);
   };
   hooks->collective_progress = [this] {
     std::lock_guard lock(mu_);

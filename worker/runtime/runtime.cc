@@ -895,10 +895,9 @@ Status Runtime::FinishPushes() {
   for (auto& bp : buckets_) {
     Bucket& b = *bp;
     for (size_t i = 0; i < b.pushes.size(); ++i) {
-      TANDEM_RETURN_IF_ERROR(
-          b.pushes[i]
-              ->Wait(options_.timeout)
-              .WithContext(fmt::format("step {}: pushing partition {}", step_, b.owned[i].partition)));
+      Status pushed = b.pushes[i]->Wait(options_.timeout);
+      if (!pushed.ok())
+        return pushed.WithContext(fmt::format("step {}: pushing partition {}", step_, b.owned[i].partition));
     }
     b.pushes.clear();
   }
