@@ -286,6 +286,18 @@ TEST(TrainProcessTest, PipelineParallelRunsEqualOneProcess) {
   ExpectSameTraining(local, ps, "adamw");
 }
 
+// A run with one worker killed: it completed, in a later epoch with
+// `world_size` workers, every update applied once, and trained as one
+// process does.
+void ExpectSurvivedOneKill(const Outcome& local, const Outcome& run, int world_size, int steps) {
+  ASSERT_TRUE(run.ok) << run.output;
+  EXPECT_EQ(run.summary["faults"].as<int>(), 1);
+  EXPECT_GE(run.summary["epochs"].as<int>(), 2);
+  EXPECT_EQ(run.summary["world_size"].as<int>(), world_size);
+  EXPECT_EQ(Applied(run.summary), steps) << run.output;
+  ExpectSameTraining(local, run, "adamw");
+}
+
 // A worker killed with SIGKILL in a dp 2 x pp 2 run: the coordinator
 // re-forms the job as dp 1 x pp 2 (the mesh grows in steps of two workers,
 // so one survivor waits on standby), the survivors are re-ranked (one moves
@@ -300,12 +312,7 @@ TEST(TrainProcessTest, APipelineRunSurvivesAKilledWorker) {
       dir, "pp-kill",
       {"run", "--pp", "2", "--nodes", "2", "--workers-per-node", "2", "--servers", "2", "--steps", "16",
        "--kill-worker-at", "5", "--network", "loopback", "--train-accumulation", "4", "--partition-size", "16KiB"});
-  ASSERT_TRUE(run.ok) << run.output;
-  EXPECT_EQ(run.summary["faults"].as<int>(), 1);
-  EXPECT_GE(run.summary["epochs"].as<int>(), 2);
-  EXPECT_EQ(run.summary["world_size"].as<int>(), 2);
-  EXPECT_EQ(Applied(run.summary), 16) << run.output;
-  ExpectSameTraining(local, run, "adamw");
+  ExpectSurvivedOneKill(local, run, 2, 16);
 }
 
 // A mesh that does not fit the workers, or a model with fewer blocks than
@@ -397,13 +404,7 @@ TEST(TrainProcessTest, AModelParallelRunSurvivesAKilledWorker) {
                                          "16KiB"};
   std::vector<std::string> hybrid = mesh;
   hybrid.insert(hybrid.end(), {"--servers", "2"});
-  const auto run = Invoke(dir, "tp-pp-kill", hybrid);
-  ASSERT_TRUE(run.ok) << run.output;
-  EXPECT_EQ(run.summary["faults"].as<int>(), 1);
-  EXPECT_GE(run.summary["epochs"].as<int>(), 2);
-  EXPECT_EQ(run.summary["world_size"].as<int>(), 4);
-  EXPECT_EQ(Applied(run.summary), 16) << run.output;
-  ExpectSameTraining(local, run, "adamw");
+  ExpectSurvivedOneKill(local, Invoke(dir, "tp-pp-kill", hybrid), 4, 16);
 
   std::vector<std::string> allreduce = mesh;
   allreduce.insert(allreduce.end(), {"--mode", "allreduce", "--servers", "0"});
