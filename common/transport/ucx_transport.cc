@@ -1517,6 +1517,10 @@ void UcxTransport::Core::Run() {
       continue;
     }
     if (options_.progress == UcxProgressMode::kBusyPoll || polled_sends_ > 0 || now - last_activity < options_.spin) {
+      // Nothing this round: let a thread waiting for this core run (on a
+      // busy host it is often the one that consumes what arrives). Costs
+      // one system call when no other thread is runnable.
+      std::this_thread::yield();
       continue;
     }
     Sleep(next_check - now);

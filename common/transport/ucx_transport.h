@@ -38,7 +38,9 @@
 //   every UCX call after Create. Send, Recv, Wait and the Request destructor
 //   hand operations to it through a mutex-protected queue and wait on
 //   condition variables, so no caller ever drives UCX progress. The thread
-//   polls while there is traffic, then (UcxProgressMode::kAdaptive) sleeps
+//   polls while there is traffic (yielding the CPU between polls that found
+//   nothing, so that threads sharing its core, such as the one consuming
+//   what it receives, are not starved), then (UcxProgressMode::kAdaptive) sleeps
 //   in epoll on the workers' event descriptors (UCP_FEATURE_WAKEUP) and an
 //   eventfd for new work, waking at least every liveness_interval. That
 //   timed wake-up is for the liveness check, never for delivery: a message
@@ -140,7 +142,7 @@ namespace tandem::transport {
 
 enum class UcxProgressMode {
   kAdaptive,  // poll while there is traffic, then sleep on the workers' events (default)
-  kBusyPoll,  // never sleep: lowest latency, one busy core per transport
+  kBusyPoll,  // never sleep (only yield to other runnable threads): lowest latency, one busy core per transport
 };
 
 struct UcxOptions {
