@@ -439,7 +439,11 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
         break;
       }
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // While a kill or an added worker is due, look often: small models
+    // train a step in a few milliseconds, and the event should come at the
+    // step asked for, not several steps later.
+    const bool event_due = (o.kill_worker_at > 0 && !killed) || (o.add_worker_at > 0 && !added);
+    std::this_thread::sleep_for(std::chrono::milliseconds(event_due ? 2 : 50));
   }
   if (!line_open.empty()) print("\n");
   if (o.hold && summary.completed) {
