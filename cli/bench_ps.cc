@@ -80,6 +80,7 @@
 #include "common/transport/frame_channel.h"
 #include "common/transport/ps_group.h"
 #include "server/ps_core.h"
+#include "server/ps_node.h"
 #include "worker/ps/ps_client.h"
 
 namespace tandem::cli {
@@ -251,6 +252,7 @@ class NoLinks final : public server::ServerLinks {
 struct ServerEpoch {
   std::unique_ptr<server::ParameterStore> store;
   transport::PsGroup group;
+  std::unique_ptr<server::PushLanding> landing;
   std::atomic<transport::FrameChannel*> channel{nullptr};
   std::unique_ptr<transport::FrameChannel> owned_channel;
 };
@@ -268,10 +270,12 @@ transport::FrameChannel* WaitChannel(ServerEpoch& e) {
 void OnServerFrame(ServerEpoch& e, int rank, const ps::Frame& h, void* payload) {
   const uint64_t from = e.group.members[static_cast<size_t>(rank)];
   transport::FrameChannel* ch = WaitChannel(e);
-  auto reply = [ch, rank](ps::Frame header, std::vector<char> body) { ch->Send(rank, header, std::move(body)); };
+  auto reply = [ch, rank](ps::Frame header, server::ReplyBody body) {
+    server::SendReply(*ch, rank, header, std::move(body));
+  };
   switch (h.type) {
     case ps::FrameType::kPush:
-      return e.store->Push(from, h, payload, reply);
+      return e.landing->Push(rank, from, h, payload, reply);
     case ps::FrameType::kPull:
       return e.store->Pull(from, h, reply);
     default: {
@@ -323,7 +327,9 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
     return Internal("the worker (member {}) is not in the parameter-server group of epoch {}", kWorkerId, epoch);
   }
   const int worker = worker_rank->second;
+  e.landing = std::make_unique<server::PushLanding>(e.store.get(), e.group.members.size());
   transport::FrameChannel::Handler handler;
+  handler.payload_buffer = [&e](int rank, const ps::Frame& h) { return e.landing->PayloadBuffer(rank, h); };
   handler.on_frame = [&e](int rank, const ps::Frame& h, void* payload, std::vector<char>&) {
     OnServerFrame(e, rank, h, payload);
   };

@@ -28,6 +28,9 @@ namespace {
 constexpr uint32_t kMaxContributors = 1u << 16;
 constexpr size_t kMaxTensors = 1'000'000;
 constexpr size_t kApplyGrain = 1u << 15;  // elements per optimizer task
+// Released gradient buffers kept for reuse (ParameterStore::Buffer).
+constexpr size_t kMaxSpareBytes = size_t{128} << 20;
+constexpr size_t kMaxSpares = 64;
 
 bool ValidWireDType(uint16_t dtype) {
   return dtype <= v1::WIRE_DTYPE_FP16;
@@ -108,6 +111,12 @@ uint64_t ParameterStore::Fingerprint(const google::protobuf::RepeatedPtrField<v1
     mix(t.group().data(), t.group().size());
   }
   return h;
+}
+
+std::vector<char> ReplyBody::Take() && {
+  if (borrowed == nullptr) return std::move(owned);
+  const char* bytes = static_cast<const char*>(borrowed);
+  return std::vector<char>(bytes, bytes + borrowed_bytes);
 }
 
 void ParameterStore::Run(Actions& actions) {
@@ -236,6 +245,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         // never moves boundaries): start the partition over.
         spdlog::error("partition {} changed its range from [{}, {}) to [{}, {}); its state is dropped", p.id(),
                       part.state.begin, part.state.end, p.range().begin(), p.range().end());
+        UnlendLocked(part, /*keep_values=*/false);
         part.state = PartitionState{};
         part.state.id = p.id();
         part.state.begin = p.range().begin();
@@ -621,6 +631,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
     out->set_partition_id(s.id);
     std::lock_guard plock(part->mu);
     if (part->state.version == 0) {
+      UnlendLocked(*part, /*keep_values=*/false);
       part->state.weights = std::move(s.weights);
       part->state.state0 = std::move(s.state0);
       part->state.state1 = std::move(s.state1);
@@ -803,6 +814,7 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
       s.state0.assign(buffers >= 1 ? s.size() : 0, 0.0f);
       s.state1.assign(buffers >= 2 ? s.size() : 0, 0.0f);
     }
+    UnlendLocked(part, /*keep_values=*/false);
     part.state.weights = std::move(s.weights);
     part.state.state0 = std::move(s.state0);
     part.state.state1 = std::move(s.state1);
@@ -862,9 +874,54 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
   return it->second;
 }
 
-void ParameterStore::FoldLocked(Part& part, uint32_t contributor, uint16_t dtype, const void* data) {
-  (void)contributor;
-  AccumulateWire(part.acc->data(), data, Wire(dtype), part.acc->size(), part.folded == 0);
+std::shared_ptr<std::vector<float>> ParameterStore::Buffer(size_t n) {
+  std::unique_ptr<std::vector<float>> v;
+  {
+    std::lock_guard lock(spares_->mu);
+    auto& free = spares_->free;
+    auto it = std::find_if(free.begin(), free.end(), [n](const auto& b) { return b->size() == n; });
+    if (it != free.end()) {
+      v = std::move(*it);
+      free.erase(it);
+      spares_->bytes -= n * sizeof(float);
+    }
+  }
+  if (!v) v = std::make_unique<std::vector<float>>(n);
+  return std::shared_ptr<std::vector<float>>(v.release(), [home = std::weak_ptr<Spares>(spares_)](auto* p) {
+    std::unique_ptr<std::vector<float>> buffer(p);
+    auto spares = home.lock();
+    if (!spares) return;
+    const size_t bytes = buffer->size() * sizeof(float);
+    std::lock_guard lock(spares->mu);
+    if (spares->bytes + bytes > kMaxSpareBytes || spares->free.size() >= kMaxSpares) return;
+    spares->bytes += bytes;
+    spares->free.push_back(std::move(buffer));
+  });
+}
+
+std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& h) {
+  if (h.type != ps::FrameType::kPush) return nullptr;
+  if (h.dtype != v1::WIRE_DTYPE_FP32 && h.dtype != v1::WIRE_DTYPE_UNSPECIFIED) return nullptr;
+  auto part = Find(h.partition);
+  if (!part) return nullptr;
+  size_t n;
+  {
+    std::lock_guard plock(part->mu);
+    n = part->state.size();
+  }
+  if (n == 0 || h.payload_bytes != n * sizeof(float)) return nullptr;
+  return Buffer(n);
+}
+
+void ParameterStore::FoldLocked(Part& part, uint16_t dtype, const void* data,
+                                std::shared_ptr<std::vector<float>>& buffer) {
+  const size_t n = part.state.size();
+  if (part.folded == 0 && buffer && buffer->data() == data && buffer->size() == n &&
+      (dtype == v1::WIRE_DTYPE_FP32 || dtype == v1::WIRE_DTYPE_UNSPECIFIED)) {
+    part.acc = std::move(buffer);  // the gradient is already where it belongs
+  } else {
+    AccumulateWire(part.acc->data(), data, Wire(dtype), part.acc->size(), part.folded == 0);
+  }
   ++part.folded;
   while (!part.early.empty() && part.early.begin()->first == part.folded) {
     auto node = part.early.extract(part.early.begin());
@@ -874,6 +931,16 @@ void ParameterStore::FoldLocked(Part& part, uint32_t contributor, uint16_t dtype
 }
 
 void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
+  PushImpl(from, h, payload, nullptr, std::move(reply));
+}
+
+void ParameterStore::Push(uint64_t from, const ps::Frame& h, std::shared_ptr<std::vector<float>> buffer, Reply reply) {
+  const void* payload = buffer ? buffer->data() : nullptr;
+  PushImpl(from, h, payload, std::move(buffer), std::move(reply));
+}
+
+void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* payload,
+                              std::shared_ptr<std::vector<float>> buffer, Reply reply) {
   counters_.pushes.fetch_add(1);
   counters_.push_bytes.fetch_add(h.payload_bytes);
   auto refuse = [&](const Status& status) {
@@ -944,9 +1011,9 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
       part->seen.assign(h.contributors, false);
       part->early.clear();
       part->ready = false;
-      if (!part->acc || part->acc.use_count() > 1 || part->acc->size() != n) {
-        part->acc = std::make_shared<std::vector<float>>(n);
-      }
+      // Still read by a replication in flight: the next step gets its own.
+      // (The first contribution overwrites it, or becomes it.)
+      if (!part->acc || part->acc.use_count() > 1 || part->acc->size() != n) part->acc = Buffer(n);
       part->first_push = std::chrono::steady_clock::now();
     }
     if (h.contributors != part->contributors) {
@@ -974,7 +1041,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
     }
     part->seen[h.contributor] = true;
     if (h.contributor == part->folded) {
-      FoldLocked(*part, h.contributor, h.dtype, payload);
+      FoldLocked(*part, h.dtype, payload, buffer);
     } else {
       const auto* bytes = static_cast<const char*>(payload);
       part->early.emplace(h.contributor, std::make_pair(h.dtype, std::vector<char>(bytes, bytes + h.payload_bytes)));
@@ -1010,8 +1077,14 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
         "step {} is from the future: the slowest contributor has pushed step {} and the staleness bound is {}", h.step,
         slowest, consistency.staleness_bound()));
   }
-  auto grad = std::make_shared<std::vector<float>>(n);
-  AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
+  std::shared_ptr<std::vector<float>> grad;
+  if (buffer && buffer->data() == payload && buffer->size() == n &&
+      (h.dtype == v1::WIRE_DTYPE_FP32 || h.dtype == v1::WIRE_DTYPE_UNSPECIFIED)) {
+    grad = std::move(buffer);
+  } else {
+    grad = Buffer(n);
+    AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
+  }
   part->clocks[h.contributor] = h.step;
   counters_.staleness_last.store(part->state.step > h.step - 1 ? part->state.step - (h.step - 1) : 0);
   const GradScan scan = ScanForNorm(grad->data(), n, part->segments);
@@ -1039,7 +1112,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
   rep.step = part->state.step;
   ok.step = part->state.step;
   ok.version = part->state.version;
-  part->push_acks.emplace_back(part->state.step, [reply, ok](ps::Frame r, std::vector<char> body) {
+  part->push_acks.emplace_back(part->state.step, [reply, ok](ps::Frame r, ReplyBody body) {
     if (r.status == 0) r = ok;
     reply(r, std::move(body));
   });
@@ -1053,6 +1126,7 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload
 
 void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale) {
   const auto start = std::chrono::steady_clock::now();
+  UnlendLocked(part, /*keep_values=*/true);
   const uint64_t update_index = part.state.version - 1;
   float* w = part.state.weights.data();
   float* s0 = part.state.state0.empty() ? nullptr : part.state.state0.data();
@@ -1336,11 +1410,31 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
   Run(actions);
 }
 
+void ParameterStore::UnlendLocked(Part& part, bool keep_values) {
+  if (!part.lent) return;
+  if (part.lent.use_count() > 1) {
+    part.lent->buffer = std::move(part.state.weights);
+    part.state.weights.clear();
+    if (keep_values) part.state.weights = part.lent->buffer;
+  }
+  part.lent.reset();
+}
+
 void ParameterStore::AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) {
   const size_t n = part.state.size();
   const v1::WireDType dtype = Wire(pull.header.dtype);
-  std::vector<char> body(WireBytes(dtype, n));
-  EncodeWire(body.data(), part.state.weights.data(), dtype, n);
+  ReplyBody body;
+  if (dtype == v1::WIRE_DTYPE_FP32 || dtype == v1::WIRE_DTYPE_UNSPECIFIED) {
+    // Sent from the weights themselves: no copy. The next update finds the
+    // buffer lent and, if a reply still reads it, works on a copy.
+    if (!part.lent) part.lent = std::make_shared<Lent>();
+    body.borrowed = part.state.weights.data();
+    body.borrowed_bytes = n * sizeof(float);
+    body.keep = part.lent;
+  } else {
+    body.owned.resize(WireBytes(dtype, n));
+    EncodeWire(body.owned.data(), part.state.weights.data(), dtype, n);
+  }
   ps::Frame reply = ps::ReplyTo(pull.header, ps::FrameType::kPullReply);
   reply.dtype = pull.header.dtype;
   reply.step = part.state.step;
@@ -1502,6 +1596,7 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
                                   h.payload_bytes, h.contributors, n * (1 + buffers) * sizeof(float), buffers));
   }
   const float* src = static_cast<const float*>(payload);
+  UnlendLocked(*part, /*keep_values=*/false);
   part->state.weights.assign(src, src + n);
   part->state.state0.assign(buffers >= 1 ? src + n : src, buffers >= 1 ? src + 2 * n : src);
   part->state.state1.assign(buffers >= 2 ? src + 2 * n : src, buffers >= 2 ? src + 3 * n : src);
@@ -1527,6 +1622,20 @@ void ParameterStore::Job(uint64_t from, const void* payload, size_t bytes) {
   }
   Status status = Configure(request.job_id(), request.tensors(), request.optimizer(), request.consistency());
   if (!status.ok()) spdlog::warn("member {} sent a job configuration this server refuses: {}", from, status.ToString());
+}
+
+void* PushLanding::PayloadBuffer(int peer, const ps::Frame& header) {
+  if (peer < 0 || static_cast<size_t>(peer) >= slots_.size()) return nullptr;
+  auto& slot = slots_[static_cast<size_t>(peer)];
+  slot = store_->PushBuffer(header);
+  return slot ? slot->data() : nullptr;
+}
+
+void PushLanding::Push(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply reply) {
+  std::shared_ptr<std::vector<float>> buffer;
+  if (peer >= 0 && static_cast<size_t>(peer) < slots_.size()) buffer = std::move(slots_[static_cast<size_t>(peer)]);
+  if (buffer && buffer->data() == payload) return store_->Push(from, header, std::move(buffer), std::move(reply));
+  store_->Push(from, header, payload, std::move(reply));
 }
 
 }  // namespace tandem::server

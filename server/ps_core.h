@@ -81,8 +81,30 @@
 
 namespace tandem::server {
 
+// A reply's payload: bytes it owns, or bytes it borrows from the store
+// (`borrowed`, `borrowed_bytes`), which stay valid while `keep` is held. An
+// fp32 pull is answered with the partition's weights themselves, borrowed:
+// whoever sends the reply holds `keep` until the transport no longer reads
+// the bytes, and the store leaves that buffer alone until then (it updates a
+// copy). Converts from a vector of owned bytes.
+struct ReplyBody {
+  ReplyBody() = default;
+  ReplyBody(std::vector<char> bytes) : owned(std::move(bytes)) {}  // NOLINT(google-explicit-constructor)
+
+  const char* data() const { return borrowed != nullptr ? static_cast<const char*>(borrowed) : owned.data(); }
+  size_t size() const { return borrowed != nullptr ? borrowed_bytes : owned.size(); }
+  // The bytes as a vector of their own (a copy when borrowed), for a caller
+  // that keeps them past the reply.
+  std::vector<char> Take() &&;
+
+  std::vector<char> owned;
+  const void* borrowed = nullptr;
+  size_t borrowed_bytes = 0;
+  std::shared_ptr<const void> keep;
+};
+
 // Replies to a request: the header (type, status, step, ...) and payload.
-using Reply = std::function<void(ps::Frame header, std::vector<char> payload)>;
+using Reply = std::function<void(ps::Frame header, ReplyBody body)>;
 
 // What the store sends to other servers; implemented over the transport by
 // ps_node (and by tests).
@@ -188,6 +210,15 @@ class ParameterStore {
   // --- data plane ---------------------------------------------------------
   // `from` is the sender's member id (for logs and errors).
   void Push(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+  // Where the payload of a push (a header as it arrived, not yet checked)
+  // can be received so that the store takes the buffer over as the
+  // partition's accumulator instead of copying the gradient into it: the
+  // first contribution of an fp32 step then costs no copy. Empty when that
+  // cannot apply (another dtype, a partition this server does not hold, a
+  // size that does not match). The contents are not initialised.
+  std::shared_ptr<std::vector<float>> PushBuffer(const ps::Frame& header);
+  // A push whose payload was received into `buffer` (from PushBuffer).
+  void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
   void Pull(uint64_t from, const ps::Frame& header, Reply reply);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -227,9 +258,26 @@ class ParameterStore {
     Status failed;
     bool done() const { return !failed.ok() || result.partitions.size() == expected.size(); }
   };
+  // A weights buffer that fp32 pull replies are still sending from, after
+  // the partition moved on to a copy (see Part::lent).
+  struct Lent {
+    std::vector<float> buffer;
+  };
   struct Part {
+    Part() = default;
+    Part(const Part&) = delete;
+    Part& operator=(const Part&) = delete;
+    // Replies in flight keep reading the weights after the partition is gone.
+    ~Part() {
+      if (lent) lent->buffer = std::move(state.weights);
+    }
     std::mutex mu;
     PartitionState state TANDEM_GUARDED_BY(mu);
+    // Held by every fp32 pull reply that borrows state.weights (created with
+    // the first one). Before the weights change, UnlendLocked gives the
+    // buffer to the replies still holding it, if any, and the partition goes
+    // on with a copy.
+    std::shared_ptr<Lent> lent TANDEM_GUARDED_BY(mu);
     v1::ReplicaRole role TANDEM_GUARDED_BY(mu) = v1::REPLICA_ROLE_UNSPECIFIED;
     uint64_t primary TANDEM_GUARDED_BY(mu) = 0;
     uint64_t backup TANDEM_GUARDED_BY(mu) = 0;
@@ -280,8 +328,17 @@ class ParameterStore {
   std::shared_ptr<Part> Find(uint32_t partition) const;
   std::vector<Segment> SegmentsFor(uint64_t begin, uint64_t end) const TANDEM_REQUIRES(mu_);
   Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary) const;
-  // Folds buffered early pushes that are next in order.
-  void FoldLocked(Part& part, uint32_t contributor, uint16_t dtype, const void* data) TANDEM_REQUIRES(part.mu);
+  // `buffer`, when set, holds `payload` (PushBuffer) and may be kept.
+  void PushImpl(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>> buffer,
+                Reply reply);
+  // Folds the next contribution in order (taking `buffer` over as the
+  // accumulator when it is the first and holds fp32 `data`), then the
+  // buffered early pushes that follow it.
+  void FoldLocked(Part& part, uint16_t dtype, const void* data, std::shared_ptr<std::vector<float>>& buffer)
+      TANDEM_REQUIRES(part.mu);
+  // A gradient-sized buffer, reused from released ones when one of that size
+  // is spare (contents not initialised then).
+  std::shared_ptr<std::vector<float>> Buffer(size_t n);
   // After a partition became ready: shares or decides (sync mode).
   void MaybeShare(uint64_t epoch, uint64_t step, Actions& actions);
   void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions);
@@ -301,6 +358,10 @@ class ParameterStore {
   // `transfer`: the message was a whole-state transfer (a refused update is
   // answered with one; a refused transfer only waits for the next epoch).
   void OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status, bool transfer);
+  // Called before state.weights is written or replaced: a buffer that
+  // replies still borrow goes to them; with `keep_values` the partition goes
+  // on with a copy of it, else with an empty vector for the caller to fill.
+  static void UnlendLocked(Part& part, bool keep_values) TANDEM_REQUIRES(part.mu);
   // Answers the pulls that can be answered.
   void ServePullsLocked(Part& part, Actions& actions) TANDEM_REQUIRES(part.mu);
   void AnswerPullLocked(Part& part, const PendingPull& pull, Actions& actions) TANDEM_REQUIRES(part.mu);
@@ -311,8 +372,17 @@ class ParameterStore {
   static ps::Frame ErrorReply(const ps::Frame& request, ps::FrameType type, const Status& status,
                               std::vector<char>* payload);
 
+  // Released gradient buffers for Buffer() to hand out again (a buffer
+  // returns here when its last holder drops it, whichever thread that is).
+  struct Spares {
+    std::mutex mu;
+    std::vector<std::unique_ptr<std::vector<float>>> free TANDEM_GUARDED_BY(mu);
+    size_t bytes TANDEM_GUARDED_BY(mu) = 0;
+  };
+
   const StoreOptions options_;
   ServerLinks* const links_;
+  const std::shared_ptr<Spares> spares_ = std::make_shared<Spares>();
   std::unique_ptr<optim::ThreadPool> pool_;
   StoreCounters counters_;
 
@@ -344,6 +414,26 @@ class ParameterStore {
   std::map<std::pair<uint64_t, uint64_t>, Round> rounds_ TANDEM_GUARDED_BY(mu_);  // (epoch, step)
   SentShare last_shared_ TANDEM_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
+};
+
+// Lands pushes in store buffers for a frame channel (FrameChannel::Handler):
+// payload_buffer asks the store for a buffer it can keep
+// (ParameterStore::PushBuffer) and holds it for the frame's peer until
+// on_frame hands it to Push. A channel receives each peer's frames one at a
+// time on one thread, so one slot per peer suffices and needs no lock.
+class PushLanding {
+ public:
+  // `peers`: ranks are 0 to peers - 1.
+  PushLanding(ParameterStore* store, size_t peers) : store_(store), slots_(peers) {}
+  // For FrameChannel::Handler::payload_buffer: nullptr lets the channel
+  // allocate.
+  void* PayloadBuffer(int peer, const ps::Frame& header);
+  // ParameterStore::Push of a push frame from `peer` (member `from`).
+  void Push(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+
+ private:
+  ParameterStore* const store_;
+  std::vector<std::shared_ptr<std::vector<float>>> slots_;
 };
 
 }  // namespace tandem::server

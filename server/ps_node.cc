@@ -510,7 +510,12 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
     if (r != group->group.rank) peers.push_back(r);
   }
   std::weak_ptr<Group> weak = group;
+  group->landing = std::make_unique<PushLanding>(store_.get(), group->group.members.size());
   transport::FrameChannel::Handler handler;
+  handler.payload_buffer = [weak](int rank, const ps::Frame& h) -> void* {
+    auto g = weak.lock();
+    return g ? g->landing->PayloadBuffer(rank, h) : nullptr;
+  };
   handler.on_frame = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned) {
     if (auto g = weak.lock()) OnFrame(g, rank, h, payload, owned);
   };
@@ -531,16 +536,21 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   return Status::Ok();
 }
 
+void SendReply(transport::FrameChannel& channel, int rank, const ps::Frame& header, ReplyBody body) {
+  if (body.borrowed == nullptr) return channel.Send(rank, header, std::move(body.owned));
+  channel.Send(rank, header, body.borrowed, body.borrowed_bytes, nullptr, std::move(body.keep));
+}
+
 void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,
                      std::vector<char>& owned) {
   (void)owned;
   const uint64_t from = group->group.members[static_cast<size_t>(rank)];
-  auto reply = [g = std::weak_ptr<Group>(group), rank](ps::Frame header, std::vector<char> body) {
-    if (auto live = g.lock()) live->channel->Send(rank, header, std::move(body));
+  auto reply = [g = std::weak_ptr<Group>(group), rank](ps::Frame header, ReplyBody body) {
+    if (auto live = g.lock()) SendReply(*live->channel, rank, header, std::move(body));
   };
   switch (h.type) {
     case ps::FrameType::kPush:
-      return store_->Push(from, h, payload, reply);
+      return group->landing->Push(rank, from, h, payload, reply);
     case ps::FrameType::kPull:
       return store_->Pull(from, h, reply);
     case ps::FrameType::kShare:

@@ -46,6 +46,10 @@ struct ServerConfig {
 
 void DeclareServerOptions(OptionSet& options, ServerConfig* config);
 
+// Sends a store's reply to `rank`: borrowed bytes go out without a copy and
+// their `keep` is released once the channel no longer reads them.
+void SendReply(transport::FrameChannel& channel, int rank, const ps::Frame& header, ReplyBody body);
+
 class PsNode final : public ServerLinks {
  public:
   PsNode(const ServerConfig& config, Daemon& daemon);
@@ -72,6 +76,7 @@ class PsNode final : public ServerLinks {
     uint64_t epoch = 0;
     transport::PsGroup group;
     std::unique_ptr<transport::FrameChannel> channel;
+    std::unique_ptr<PushLanding> landing;  // pushes received into the store's buffers
     std::mutex mu;
     std::map<uint64_t, std::pair<int, std::function<void(const Status&)>>> waiting TANDEM_GUARDED_BY(mu);
   };

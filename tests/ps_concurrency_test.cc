@@ -190,7 +190,7 @@ TEST(ParameterStoreConcurrencyTest, ConcurrentPushesAndPullsGiveTheSequentialRes
     h.contributors = kContributors;
     h.payload_bytes = g.size() * sizeof(float);
     std::atomic<bool> ok{false};
-    store.Push(0, h, g.data(), [&ok](ps::Frame reply, std::vector<char>) { ok = reply.status == 0; });
+    store.Push(0, h, g.data(), [&ok](ps::Frame reply, server::ReplyBody) { ok = reply.status == 0; });
     EXPECT_TRUE(ok.load());
   };
   auto pull = [](server::ParameterStore& store, uint64_t s, uint32_t p, std::vector<float>* out,
@@ -200,7 +200,7 @@ TEST(ParameterStoreConcurrencyTest, ConcurrentPushesAndPullsGiveTheSequentialRes
     h.epoch = 1;
     h.step = s;
     h.partition = p;
-    store.Pull(0, h, [out, done](ps::Frame r, std::vector<char> body) {
+    store.Pull(0, h, [out, done](ps::Frame r, server::ReplyBody body) {
       EXPECT_EQ(r.status, 0);
       out->resize(body.size() / sizeof(float));
       std::memcpy(out->data(), body.data(), body.size());

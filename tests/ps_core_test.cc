@@ -54,7 +54,7 @@ class Cluster : public ServerLinks {
       }
       ps::Frame h = header;
       h.payload_bytes = payload ? payload->size() * sizeof(float) : 0;
-      auto reply = [done](ps::Frame r, std::vector<char> body) { done(ps::ReplyStatus(r, body.data())); };
+      auto reply = [done](ps::Frame r, ReplyBody body) { done(ps::ReplyStatus(r, body.data())); };
       if (h.type == ps::FrameType::kTransfer) {
         it->second->store->Transfer(self_, h, payload ? payload->data() : nullptr, reply);
       } else {
@@ -203,16 +203,15 @@ struct Answer {
 };
 
 Reply Into(std::shared_ptr<Answer> a) {
-  return [a](ps::Frame h, std::vector<char> body) {
+  return [a](ps::Frame h, ReplyBody body) {
     a->done = true;
     a->header = h;
-    a->payload = std::move(body);
+    a->payload = std::move(body).Take();
   };
 }
 
-std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
-                             uint32_t contributor, uint32_t contributors, const std::vector<float>& grad,
-                             v1::WireDType dtype = v1::WIRE_DTYPE_FP32) {
+ps::Frame PushHeader(uint64_t epoch, uint64_t step, uint32_t partition, uint32_t contributor, uint32_t contributors,
+                     size_t bytes, v1::WireDType dtype = v1::WIRE_DTYPE_FP32) {
   ps::Frame h;
   h.type = ps::FrameType::kPush;
   h.epoch = epoch;
@@ -221,7 +220,14 @@ std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t ste
   h.contributor = contributor;
   h.contributors = contributors;
   h.dtype = static_cast<uint16_t>(dtype);
-  h.payload_bytes = grad.size() * sizeof(float);
+  h.payload_bytes = bytes;
+  return h;
+}
+
+std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
+                             uint32_t contributor, uint32_t contributors, const std::vector<float>& grad,
+                             v1::WireDType dtype = v1::WIRE_DTYPE_FP32) {
+  const ps::Frame h = PushHeader(epoch, step, partition, contributor, contributors, grad.size() * sizeof(float), dtype);
   auto a = std::make_shared<Answer>();
   store.Push(1, h, grad.data(), Into(a));
   return a;
@@ -371,6 +377,115 @@ TEST_F(PsCoreTest, ThreeServersEqualOneServerBitForBit) {
   ExpectReplicasEqual();
   // The step moved the parameters.
   EXPECT_NE(params[0], job.initial[0]);
+}
+
+// An fp32 pull is answered with the partition's weights themselves, not a
+// copy: a reply still being sent must keep the bytes of its step while the
+// next update is applied, and after the partition is gone.
+TEST_F(PsCoreTest, APullReplyStillBeingSentKeepsItsStepWhileTheNextUpdateApplies) {
+  Job job;
+  Start(1, job);
+  RunStep(1, 2);
+  auto [b, e] = Range(0);
+  ps::Frame h;
+  h.type = ps::FrameType::kPull;
+  h.epoch = 1;
+  h.step = 1;
+  h.partition = 0;
+  h.dtype = v1::WIRE_DTYPE_FP32;
+  std::vector<ReplyBody> held;  // replies "in flight"
+  for (int i = 0; i < 2; ++i) {
+    PrimaryOf(0).Pull(1, h, [&held](ps::Frame r, ReplyBody body) {
+      EXPECT_EQ(r.status, 0);
+      held.push_back(std::move(body));
+    });
+  }
+  ASSERT_EQ(held.size(), 2u);
+  ASSERT_NE(held[0].borrowed, nullptr) << "an fp32 pull borrows the weights";
+  ASSERT_EQ(held[0].size(), (e - b) * sizeof(float));
+  const std::vector<char> step1(held[0].data(), held[0].data() + held[0].size());
+  const auto reference1 = ReferenceRun(job, 1, 2);
+  EXPECT_EQ(std::memcmp(step1.data(), reference1.data(), step1.size()), 0);
+
+  // Step 2 updates the partition while both replies hold its weights.
+  const auto params = RunStep(2, 2);
+  for (const auto& body : held) EXPECT_EQ(std::memcmp(body.data(), step1.data(), step1.size()), 0);
+  const auto reference2 = ReferenceRun(job, 2, 2);
+  EXPECT_EQ(std::memcmp(params.data(), reference2.data(), params.size() * sizeof(float)), 0);
+  EXPECT_NE(std::memcmp(params.data(), step1.data(), step1.size()), 0);
+
+  // One reply is sent; a new one borrows the current weights; then the
+  // server goes away with both still held.
+  held.erase(held.begin());
+  h.step = 2;
+  PrimaryOf(0).Pull(1, h, [&held](ps::Frame, ReplyBody body) { held.push_back(std::move(body)); });
+  ASSERT_EQ(held.size(), 2u);
+  cluster_.nodes.clear();
+  EXPECT_EQ(std::memcmp(held[0].data(), step1.data(), step1.size()), 0);
+  EXPECT_EQ(std::memcmp(held[1].data(), params.data(), step1.size()), 0);
+}
+
+// Pushes received straight into store buffers (PushLanding, as the server's
+// frame channel does): the first contribution becomes the accumulator, later
+// and early ones are folded from theirs, buffers are reused across steps, and
+// the result is bit for bit that of pushes from the caller's memory.
+TEST_F(PsCoreTest, PushesLandedInStoreBuffersEqualCopiedPushesBitForBit) {
+  Job job;
+  Start(3, job);
+  std::vector<PushLanding> landings;
+  for (uint64_t id : cluster_.Live()) landings.emplace_back(&cluster_[id], 3);
+  auto landing_of = [&](uint32_t p) -> PushLanding& {
+    const uint64_t id = map_.partitions(static_cast<int>(p)).primary_member_id();
+    return landings[static_cast<size_t>(id - kFirstServer)];
+  };
+  std::vector<float> params;
+  for (uint64_t s = 1; s <= 6; ++s) {
+    const std::vector<uint32_t> order = s % 2 ? std::vector<uint32_t>{2, 0, 1} : std::vector<uint32_t>{0, 1, 2};
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto [b, e] = Range(p);
+      for (uint32_t c : order) {
+        const auto grad = Grad(s, c, b, e);
+        const ps::Frame h = PushHeader(epoch_, s, p, c, 3, grad.size() * sizeof(float));
+        const int peer = static_cast<int>(c);
+        void* into = landing_of(p).PayloadBuffer(peer, h);
+        ASSERT_NE(into, nullptr);
+        std::memcpy(into, grad.data(), h.payload_bytes);
+        auto a = std::make_shared<Answer>();
+        landing_of(p).Push(peer, 1, h, into, Into(a));
+        ASSERT_TRUE(a->done);
+        ASSERT_TRUE(a->status().ok()) << a->status().ToString();
+      }
+    }
+    params = PullAll(s);
+  }
+  const auto reference = ReferenceRun(job, 6, 3);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+
+  // No buffer where the store could not keep it: the channel allocates.
+  auto [b, e] = Range(0);
+  ps::Frame h = PushHeader(epoch_, 7, 0, 0, 3, (e - b) * 2, v1::WIRE_DTYPE_BF16);
+  EXPECT_EQ(PrimaryOf(0).PushBuffer(h), nullptr) << "bf16";
+  h.dtype = v1::WIRE_DTYPE_FP32;
+  h.payload_bytes = (e - b) * 4 + 4;
+  EXPECT_EQ(PrimaryOf(0).PushBuffer(h), nullptr) << "wrong size";
+  h.payload_bytes = (e - b) * 4;
+  h.partition = 999;
+  EXPECT_EQ(PrimaryOf(0).PushBuffer(h), nullptr) << "unknown partition";
+  h.partition = 0;
+  h.type = ps::FrameType::kPull;
+  EXPECT_EQ(PrimaryOf(0).PushBuffer(h), nullptr) << "not a push";
+  // A landed push with a wrong size is refused like any other.
+  h.type = ps::FrameType::kPush;
+  auto buffer = PrimaryOf(0).PushBuffer(h);
+  ASSERT_NE(buffer, nullptr);
+  h.payload_bytes -= 4;
+  auto a = std::make_shared<Answer>();
+  PrimaryOf(0).Push(1, h, buffer, Into(a));
+  ASSERT_TRUE(a->done);
+  EXPECT_EQ(a->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(PullAll(6), params);
 }
 
 TEST_F(PsCoreTest, DuplicatePushesAreIgnoredAndFlagged) {

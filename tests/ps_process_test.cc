@@ -104,7 +104,7 @@ std::vector<float> Reference(uint64_t steps) {
         h.contributors = kWorkers;
         h.dtype = v1::WIRE_DTYPE_FP32;
         h.payload_bytes = g.size() * sizeof(float);
-        store.Push(0, h, g.data(), [](ps::Frame, std::vector<char>) {});
+        store.Push(0, h, g.data(), [](ps::Frame, server::ReplyBody) {});
       }
     }
     for (uint32_t p = 0; p < parts; ++p) {
@@ -115,7 +115,7 @@ std::vector<float> Reference(uint64_t steps) {
       h.step = s;
       h.partition = p;
       h.dtype = v1::WIRE_DTYPE_FP32;
-      store.Pull(0, h, [&](ps::Frame reply, std::vector<char> body) {
+      store.Pull(0, h, [&](ps::Frame reply, server::ReplyBody body) {
         EXPECT_EQ(reply.status, 0);
         std::memcpy(params.data() + r.begin(), body.data(), body.size());
       });
