@@ -236,6 +236,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         slot->state.id = p.id();
         slot->state.begin = p.range().begin();
         slot->state.end = p.range().end();
+        slot->elements.store(slot->state.size(), std::memory_order_relaxed);
         slot->segments = SegmentsFor(p.range().begin(), p.range().end());
       }
       Part& part = *slot;
@@ -250,6 +251,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         part.state.id = p.id();
         part.state.begin = p.range().begin();
         part.state.end = p.range().end();
+        part.elements.store(part.state.size(), std::memory_order_relaxed);
         part.segments = SegmentsFor(p.range().begin(), p.range().end());
       }
       const bool was_primary = part.role == v1::REPLICA_ROLE_PRIMARY;
@@ -301,8 +303,10 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
     }
     for (auto it = parts_.begin(); it != parts_.end();) {
       if (held.count(it->first) == 0) {
-        std::lock_guard plock(it->second->mu);
-        for (auto& pull : it->second->pulls) {
+        // Kept past the erase: the partition dies (if it does) after its lock is released.
+        std::shared_ptr<Part> gone = it->second;
+        std::lock_guard plock(gone->mu);
+        for (auto& pull : gone->pulls) {
           std::vector<char> payload;
           ps::Frame reply = ErrorReply(
               pull.header, ps::FrameType::kPullReply,
@@ -904,11 +908,9 @@ std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& 
   if (h.dtype != v1::WIRE_DTYPE_FP32 && h.dtype != v1::WIRE_DTYPE_UNSPECIFIED) return nullptr;
   auto part = Find(h.partition);
   if (!part) return nullptr;
-  size_t n;
-  {
-    std::lock_guard plock(part->mu);
-    n = part->state.size();
-  }
+  // Without the partition's lock: an update may hold it for a while, and
+  // the payload should arrive meanwhile.
+  const uint64_t n = part->elements.load(std::memory_order_relaxed);
   if (n == 0 || h.payload_bytes != n * sizeof(float)) return nullptr;
   return Buffer(n);
 }
@@ -1412,7 +1414,9 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
 
 void ParameterStore::UnlendLocked(Part& part, bool keep_values) {
   if (!part.lent) return;
-  if (part.lent.use_count() > 1) {
+  // Acquire: pairs with a reply's release when it is done reading, so the
+  // writes that follow come after its reads.
+  if (part.lent->readers.load(std::memory_order_acquire) > 0) {
     part.lent->buffer = std::move(part.state.weights);
     part.state.weights.clear();
     if (keep_values) part.state.weights = part.lent->buffer;
@@ -1428,9 +1432,11 @@ void ParameterStore::AnswerPullLocked(Part& part, const PendingPull& pull, Actio
     // Sent from the weights themselves: no copy. The next update finds the
     // buffer lent and, if a reply still reads it, works on a copy.
     if (!part.lent) part.lent = std::make_shared<Lent>();
+    part.lent->readers.fetch_add(1, std::memory_order_relaxed);
     body.borrowed = part.state.weights.data();
     body.borrowed_bytes = n * sizeof(float);
-    body.keep = part.lent;
+    body.keep = std::shared_ptr<const void>(
+        part.lent.get(), [lent = part.lent](const void*) { lent->readers.fetch_sub(1, std::memory_order_release); });
   } else {
     body.owned.resize(WireBytes(dtype, n));
     EncodeWire(body.owned.data(), part.state.weights.data(), dtype, n);

@@ -262,6 +262,7 @@ class ParameterStore {
   // the partition moved on to a copy (see Part::lent).
   struct Lent {
     std::vector<float> buffer;
+    std::atomic<int> readers{0};  // replies still reading the weights
   };
   struct Part {
     Part() = default;
@@ -273,10 +274,12 @@ class ParameterStore {
     }
     std::mutex mu;
     PartitionState state TANDEM_GUARDED_BY(mu);
+    // state.size(), readable without the lock (PushBuffer).
+    std::atomic<uint64_t> elements{0};
     // Held by every fp32 pull reply that borrows state.weights (created with
-    // the first one). Before the weights change, UnlendLocked gives the
-    // buffer to the replies still holding it, if any, and the partition goes
-    // on with a copy.
+    // the first one, counted in readers). Before the weights change,
+    // UnlendLocked gives the buffer to the replies still reading it, if any,
+    // and the partition goes on with a copy.
     std::shared_ptr<Lent> lent TANDEM_GUARDED_BY(mu);
     v1::ReplicaRole role TANDEM_GUARDED_BY(mu) = v1::REPLICA_ROLE_UNSPECIFIED;
     uint64_t primary TANDEM_GUARDED_BY(mu) = 0;
