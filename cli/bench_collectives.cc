@@ -31,6 +31,7 @@
 
 #include "cli/commands.h"
 #include "common/config.h"
+#include "common/cpus.h"
 #include "worker/comm/factory.h"
 
 namespace tandem::cli {
@@ -63,13 +64,7 @@ struct BenchConfig {
 // Pins the calling process to the rank-th CPU it may use (modulo their
 // number), as MPI launchers do by default for small runs.
 void BindToCpu(int rank) {
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return;
-  std::vector<int> cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  }
+  const std::vector<int> cpus = AllowedCpus();
   if (cpus.empty()) return;
   cpu_set_t one;
   CPU_ZERO(&one);

@@ -73,6 +73,7 @@
 
 #include "cli/commands.h"
 #include "common/config.h"
+#include "common/cpus.h"
 #include "common/logging.h"
 #include "common/optimizer/gradient.h"
 #include "common/process.h"
@@ -138,18 +139,6 @@ uint64_t ParamsOf(const BenchConfig& c, uint64_t size) {
 uint32_t PartitionsOf(const BenchConfig& c, uint64_t size) {
   const uint64_t p = PartitionElements(c);
   return static_cast<uint32_t>((ParamsOf(c, size) + p - 1) / p);
-}
-
-// The CPUs this process may use, in order.
-std::vector<int> AllowedCpus() {
-  std::vector<int> cpus;
-  cpu_set_t allowed;
-  CPU_ZERO(&allowed);
-  if (sched_getaffinity(0, sizeof(allowed), &allowed) != 0) return cpus;
-  for (int c = 0; c < CPU_SETSIZE; ++c) {
-    if (CPU_ISSET(c, &allowed)) cpus.push_back(c);
-  }
-  return cpus;
 }
 
 // Pins the calling thread (and the threads it starts later) to `cpu`.

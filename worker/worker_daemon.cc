@@ -6,6 +6,7 @@
 #include <prometheus/gauge.h>
 #include <spdlog/spdlog.h>
 
+#include "common/cpus.h"
 #include "common/member_daemon.h"
 #include "common/transport/ucx_transport.h"
 #include "tandem/worker.h"
@@ -27,12 +28,15 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
   struct State {
     DataPlaneConfig config;
     TrainConfig train;
+    std::string cpus;
     std::unique_ptr<DataPlane> data_plane;
     std::atomic<bool> stop{false};
     std::thread trainer;
   };
   auto state = std::make_shared<State>();
   auto declare = [state](OptionSet& options) {
+    options.String("cpus", &state->cpus,
+                   "CPUs this worker and all its threads run on, a list such as 0-3,8 (empty: every CPU it may use)");
     DeclareDataPlaneOptions(options, &state->config);
     DeclareTrainOptions(options, &state->train);
   };
@@ -42,6 +46,12 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
     if (state->trainer.joinable()) state->trainer.join();
   };
   auto started = [state, loop](Daemon& daemon, v1::NodeIdentity* node, MemberHooks* hooks) -> Status {
+    if (!state->cpus.empty()) {
+      auto cpus = ParseCpuList(state->cpus);
+      Status bound = cpus.ok() ? BindProcess(*cpus) : cpus.status();
+      TANDEM_RETURN_IF_ERROR(bound.WithContext(fmt::format("cpus '{}'", state->cpus)));
+      spdlog::info("running on CPUs {}", FormatCpuList(*cpus));
+    }
     const bool training = loop != nullptr || state->train.steps > 0;
     TANDEM_RETURN_IF_ERROR(transport::CheckUcxOptions(state->config.backend_options.ucx)
                                .WithContext("data_plane.ucx_tls and data_plane.ucx_net_devices"));
