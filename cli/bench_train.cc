@@ -66,6 +66,9 @@ int BenchTrainCommand(int argc, char** argv) {
   options.Bytes("partition_size", &o.partition_bytes, "size of one parameter-server partition", 4096, 1ull << 32);
   options.Choice("network", &o.network, {"auto", "netns", "loopback"},
                  "simulated nodes as network namespaces, or all on loopback");
+  options.Bool("bind", &o.bind,
+               "pin each worker to its own share of this machine's CPUs, as MPI launchers bind ranks (servers and the "
+               "coordinator are not pinned)");
   options.Bool("json", &json, "print one JSON object per mode instead of the table");
   worker::DeclareTrainOptions(options, &o.train, /*job_keys=*/false);
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;

@@ -17,6 +17,7 @@
 #include "cli/commands.h"
 #include "cli/launcher.h"
 #include "cli/node_network.h"
+#include "common/cpus.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
 #include "common/proc_stat.h"
@@ -313,9 +314,16 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   std::remove(train.progress_file.c_str());
   std::remove(train.params_out.c_str());
   int next_worker = 0;
+  // With o.bind, worker i runs on its share of the CPUs (an added worker
+  // shares those of worker i modulo the starting count).
+  const std::vector<int> cpus = o.bind ? AllowedCpus() : std::vector<int>{};
   const auto launch_worker = [&](int node) {
     std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node),
                                      "--data-plane-backend",  o.backend};
+    if (!cpus.empty()) {
+      args.push_back("--cpus");
+      args.push_back(FormatCpuList(ShareOfCpus(cpus, next_worker, static_cast<int>(workers))));
+    }
     for (auto& f : worker::TrainFlags(train)) args.push_back(f);
     return launch("tandem-worker", fmt::format("worker-{}", next_worker++), node, true, std::move(args));
   };

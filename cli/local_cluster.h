@@ -47,6 +47,7 @@ struct ClusterOptions {
   std::chrono::milliseconds timeout{0};  // the whole run (0: none)
   bool progress = true;                  // print the live progress line and events
   bool hold = false;                     // after the last step, keep the cluster up until Ctrl-C / SIGTERM
+  bool bind = true;                      // pin each worker to its own share of this machine's CPUs
 };
 
 struct RunSummary {

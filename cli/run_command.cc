@@ -58,6 +58,9 @@ int RunCommand(int argc, char** argv) {
                  "the workers' communicator backend (auto: shared memory within a node, UCX across nodes)");
   options.String("bin_dir", &o.bin_dir, "where tandem-coordinator, tandem-server and tandem-worker are");
   options.String("work_dir", &o.work_dir, "where logs and progress go (default: a new /tmp/tandem-run-*)");
+  options.Bool("bind", &o.bind,
+               "pin each worker to its own share of this machine's CPUs, as MPI launchers bind ranks (servers and the "
+               "coordinator are not pinned)");
   options.Bool("hold", &o.hold, "after the last step, keep the cluster up until Ctrl-C (to look at its metrics)");
   options.Duration("startup_timeout", &o.startup_timeout, "how long each process may take to start",
                    std::chrono::milliseconds(100), std::chrono::milliseconds(600000));

@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/cpus.h"
 #include "common/process.h"
 #include "test_util.h"
 
@@ -34,6 +35,12 @@ TEST(TandemRunTest, TrainsOnALocalClusterAndStopsItCleanly) {
     const std::string log = testing::ReadFile(dir.path() + "/" + name + ".log");
     EXPECT_NE(log.find("stopped cleanly"), std::string::npos) << name << ":\n" << log;
   }
+  // --bind (the default): each worker on its own share of the CPUs.
+  for (int i = 0; i < 2; ++i) {
+    const std::string log = testing::ReadFile(dir.path() + "/worker-" + std::to_string(i) + ".log");
+    const std::string cpus = FormatCpuList(ShareOfCpus(AllowedCpus(), i, 2));
+    EXPECT_NE(log.find("running on CPUs " + cpus + "\n"), std::string::npos) << "worker-" << i << ":\n" << log;
+  }
   const std::string summary = testing::ReadFile(dir.path() + "/summary.json");
   for (const std::string key : {"steps", "first_loss", "last_loss", "tokens_per_second", "mode", "world_size", "epochs",
                                 "faults", "server_steps_applied"}) {
@@ -44,8 +51,8 @@ TEST(TandemRunTest, TrainsOnALocalClusterAndStopsItCleanly) {
 TEST(TandemRunTest, CtrlCStopsAHeldCluster) {
   testing::TempDir dir;
   SpawnOptions options;
-  options.argv = {BinDir() + "/tandem", "run",     "--servers", "1", "--nodes", "1", "--steps", "2", "--hold",
-                  "--work-dir",         dir.path()};
+  options.argv = {BinDir() + "/tandem", "run",      "--servers",   "1", "--nodes", "1", "--steps", "2", "--hold",
+                  "--work-dir",         dir.path(), "--bind=false"};
   options.argv.insert(options.argv.end(), kSmallModel.begin(), kSmallModel.end());
   options.output_file = dir.path() + "/run.out";
   auto run = Subprocess::Spawn(options);
@@ -61,6 +68,8 @@ TEST(TandemRunTest, CtrlCStopsAHeldCluster) {
   ASSERT_TRUE(exit.ok()) << testing::ReadFile(options.output_file);
   EXPECT_TRUE(exit->success()) << testing::ReadFile(options.output_file);
   EXPECT_NE(testing::ReadFile(options.output_file).find("Done: 2 of 2 steps"), std::string::npos);
+  // --bind=false: the worker runs wherever the scheduler puts it.
+  EXPECT_EQ(testing::ReadFile(dir.path() + "/worker-0.log").find("running on CPUs"), std::string::npos);
 }
 
 TEST(TandemRunTest, AMissingBinaryIsReportedAndNothingIsLeftRunning) {
