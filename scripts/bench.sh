@@ -5,8 +5,10 @@
 # gloo), then measures the baselines of ../shared/baselines (memory bandwidth,
 # Open MPI MPI_Allreduce, torch.distributed gloo, ucx_perftest) on this machine
 # into BUILD_DIR/bench/baselines/RESULTS.md, then Tandem's own benchmarks
-# (the coordinator, the collectives) into BUILD_DIR/bench/, and prints the
-# collectives beside the baselines with their ratios (see docs/benchmarks.md).
+# (the coordinator, the collectives, the optimizer, the parameter server,
+# training) into BUILD_DIR/bench/, prints the collectives beside the
+# baselines with their ratios, and charts the all-reduce and the parameter
+# server as SVG (scripts/plot.py; see docs/benchmarks.md).
 #
 # Usage: scripts/bench.sh [BUILD_DIR]
 set -euo pipefail
@@ -56,7 +58,8 @@ echo "bench: collectives (docs/benchmarks.md): allreduce, float32 sum, 2 and 4 p
 echo
 echo "bench: Tandem beside the baselines of this run"
 python3 scripts/bench_compare.py "$OUT/baselines/raw-results.txt" "$OUT/allreduce.jsonl" "$OUT/allreduce.md"
-echo "bench: written to $OUT/allreduce.md"
+python3 scripts/plot.py allreduce "$OUT/allreduce.jsonl" --baselines "$OUT/baselines/raw-results.txt" -o "$OUT/allreduce.svg"
+echo "bench: written to $OUT/allreduce.md and $OUT/allreduce.svg"
 
 echo
 echo "bench: optimizer (docs/benchmarks.md): AdamW on the parameter server's fp32 buffers, beside the memory bandwidth and torch.optim"
@@ -66,4 +69,10 @@ echo "bench: optimizer results in $OUT/optimizer.jsonl"
 echo
 echo "bench: parameter server (docs/benchmarks.md): push and pull goodput over the real data path, beside ucx_perftest on the same transports"
 "$BUILD_DIR/bin/tandem" bench ps --min-bytes 64KiB --max-bytes 64MiB --factor 4 --iters 20 --warmup 5 --rounds 3 --json | tee "$OUT/ps.jsonl"
-echo "bench: parameter-server results in $OUT/ps.jsonl"
+python3 scripts/plot.py ps "$OUT/ps.jsonl" -o "$OUT/ps.svg"
+echo "bench: parameter-server results in $OUT/ps.jsonl and $OUT/ps.svg"
+
+echo
+echo "bench: training (docs/benchmarks.md): tokens/s of each mode beside one process, and the exposed communication"
+"$BUILD_DIR/bin/tandem" bench train --json | tee "$OUT/train.jsonl"
+echo "bench: training results in $OUT/train.jsonl"
