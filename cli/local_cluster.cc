@@ -334,8 +334,9 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     const std::string unclean = stop_all();
     return status.WithContext(unclean.empty() ? "starting the cluster" : "starting the cluster" + unclean);
   }
-  print(
-      fmt::format("Started {} processes in {:.1f} s; training ...\n", members.size(), Seconds(Clock::now() - t_start)));
+  print(fmt::format(
+      "Started {} processes in {:.1f} s{}; training ...\n", members.size(), Seconds(Clock::now() - t_start),
+      cpus.empty() ? std::string() : fmt::format(" (workers bound to their share of CPUs {})", FormatCpuList(cpus))));
 
   // Follow the training.
   ProgressReader reader(train.progress_file);
