@@ -1156,13 +1156,11 @@ void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions)
   for (auto& [id, part] : parts_) {
     std::lock_guard plock(part->mu);
     if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
-    if (part->state.step == step) {
-      entries.push_back(part->last_share);  // decided before: share again
-    } else if (part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready) {
-      entries.push_back(part->last_share);
-    } else {
-      return;  // still aggregating
-    }
+    const bool decided_before = part->state.step == step;  // share it again
+    const bool aggregated =
+        part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready;
+    if (!decided_before && !aggregated) return;  // still aggregating
+    entries.push_back(part->last_share);
   }
   round.shared = true;
   round.dp = dp_size_;
