@@ -65,11 +65,7 @@ struct BenchConfig {
 // number), as MPI launchers do by default for small runs.
 void BindToCpu(int rank) {
   const std::vector<int> cpus = AllowedCpus();
-  if (cpus.empty()) return;
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpus[static_cast<size_t>(rank) % cpus.size()], &one);
-  sched_setaffinity(0, sizeof(one), &one);
+  if (!cpus.empty()) (void)BindProcess({cpus[static_cast<size_t>(rank) % cpus.size()]});
 }
 
 double BusFactor(const std::string& c, int n) {

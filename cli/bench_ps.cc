@@ -141,14 +141,6 @@ uint32_t PartitionsOf(const BenchConfig& c, uint64_t size) {
   return static_cast<uint32_t>((ParamsOf(c, size) + p - 1) / p);
 }
 
-// Pins the calling thread (and the threads it starts later) to `cpu`.
-void PinTo(int cpu) {
-  cpu_set_t one;
-  CPU_ZERO(&one);
-  CPU_SET(cpu, &one);
-  sched_setaffinity(0, sizeof(one), &one);
-}
-
 // The synthetic epoch both processes build for message size `size`.
 v1::MembershipEpoch MakeEpoch(const BenchConfig& c, uint64_t epoch, uint64_t size) {
   v1::MembershipEpoch e;
@@ -355,7 +347,7 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
 int ServerMain(const BenchConfig& c) {
   ::prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (::getppid() != c.parent) return 1;
-  if (c.bind && !c.cpus.empty()) PinTo(c.cpus[0]);
+  if (c.bind && !c.cpus.empty()) (void)BindProcess({c.cpus[0]});
   comm::FileRendezvous rendezvous(c.dir);
   for (size_t i = 0; i < c.sizes.size(); ++i) {
     Status s = ServeSize(c, rendezvous, i + 1, c.sizes[i]);
@@ -942,7 +934,7 @@ int BenchPsCommand(int argc, char** argv) {
     ::_exit(code);
   }
   ServerProcess server(pid);
-  if (c.bind && c.cpus.size() > 1) PinTo(c.cpus[1]);
+  if (c.bind && c.cpus.size() > 1) (void)BindProcess({c.cpus[1]});
 
   if (!c.json) {
     PrintHeader(c, perftest_binary.empty() ? fmt::format("n/a: {}", no_perftest)

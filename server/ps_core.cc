@@ -32,6 +32,17 @@ constexpr size_t kApplyGrain = 1u << 15;  // elements per optimizer task
 constexpr size_t kMaxSpareBytes = size_t{128} << 20;
 constexpr size_t kMaxSpares = 64;
 
+// fp32 on the wire (UNSPECIFIED means fp32): bytes the store can use as floats.
+bool Fp32Wire(uint16_t dtype) {
+  return dtype == v1::WIRE_DTYPE_FP32 || dtype == v1::WIRE_DTYPE_UNSPECIFIED;
+}
+
+// Whether a push's payload `data` (of `dtype`, n elements) sits in `buffer`
+// (from PushBuffer), so that the store may keep the buffer instead of copying.
+bool Keepable(const std::shared_ptr<std::vector<float>>& buffer, const void* data, uint16_t dtype, size_t n) {
+  return buffer && buffer->data() == data && buffer->size() == n && Fp32Wire(dtype);
+}
+
 bool ValidWireDType(uint16_t dtype) {
   return dtype <= v1::WIRE_DTYPE_FP16;
 }
@@ -905,7 +916,7 @@ std::shared_ptr<std::vector<float>> ParameterStore::Buffer(size_t n) {
 
 std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& h) {
   if (h.type != ps::FrameType::kPush) return nullptr;
-  if (h.dtype != v1::WIRE_DTYPE_FP32 && h.dtype != v1::WIRE_DTYPE_UNSPECIFIED) return nullptr;
+  if (!Fp32Wire(h.dtype)) return nullptr;
   auto part = Find(h.partition);
   if (!part) return nullptr;
   // Without the partition's lock: an update may hold it for a while, and
@@ -917,9 +928,7 @@ std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& 
 
 void ParameterStore::FoldLocked(Part& part, uint16_t dtype, const void* data,
                                 std::shared_ptr<std::vector<float>>& buffer) {
-  const size_t n = part.state.size();
-  if (part.folded == 0 && buffer && buffer->data() == data && buffer->size() == n &&
-      (dtype == v1::WIRE_DTYPE_FP32 || dtype == v1::WIRE_DTYPE_UNSPECIFIED)) {
+  if (part.folded == 0 && Keepable(buffer, data, dtype, part.state.size())) {
     part.acc = std::move(buffer);  // the gradient is already where it belongs
   } else {
     AccumulateWire(part.acc->data(), data, Wire(dtype), part.acc->size(), part.folded == 0);
@@ -1080,8 +1089,7 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
         slowest, consistency.staleness_bound()));
   }
   std::shared_ptr<std::vector<float>> grad;
-  if (buffer && buffer->data() == payload && buffer->size() == n &&
-      (h.dtype == v1::WIRE_DTYPE_FP32 || h.dtype == v1::WIRE_DTYPE_UNSPECIFIED)) {
+  if (Keepable(buffer, payload, h.dtype, n)) {
     grad = std::move(buffer);
   } else {
     grad = Buffer(n);
@@ -1426,7 +1434,7 @@ void ParameterStore::AnswerPullLocked(Part& part, const PendingPull& pull, Actio
   const size_t n = part.state.size();
   const v1::WireDType dtype = Wire(pull.header.dtype);
   ReplyBody body;
-  if (dtype == v1::WIRE_DTYPE_FP32 || dtype == v1::WIRE_DTYPE_UNSPECIFIED) {
+  if (Fp32Wire(pull.header.dtype)) {
     // Sent from the weights themselves: no copy. The next update finds the
     // buffer lent and, if a reply still reads it, works on a copy.
     if (!part.lent) part.lent = std::make_shared<Lent>();
