@@ -170,6 +170,28 @@ TEST(DaemonRobustnessTest, UcxDevicesAndTransportsThisHostLacksStopTheStart) {
   }
 }
 
+TEST(DaemonRobustnessTest, AWorkerCpuListThatIsWrongOrNotAllowedStopsTheStart) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"0,a", "cpus '0,a': 'a' is not a CPU number"},
+      {"3-1", "cpus '3-1': the range '3-1' ends before it starts"},
+      {"1023", "cpus '1023': CPU(s) 1023 are not available to this process"},
+  };
+  for (const auto& [cpus, named] : cases) {
+    const std::vector<std::string> argv = {BinDir() + "/tandem-worker",
+                                           "--coordinator-address",
+                                           "127.0.0.1:1",
+                                           "--listen-address",
+                                           "127.0.0.1:0",
+                                           "--metrics-address",
+                                           "127.0.0.1:0",
+                                           "--cpus",
+                                           cpus};
+    const auto r = RunCommand(argv, std::chrono::seconds(20));
+    EXPECT_EQ(r.exit.ToString(), "exit 1") << cpus << ": " << r.output;
+    EXPECT_NE(r.output.find(named), std::string::npos) << r.output;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Daemons, DaemonTest, ::testing::Values("tandem-coordinator", "tandem-server", "tandem-worker"),
                          [](const auto& p) { return p.param.substr(7); });
 
