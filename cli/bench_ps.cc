@@ -22,9 +22,9 @@
 // Sync mode with one contributor: a step's pushes complete it, the server
 // applies the update (SGD by default: reads weights and gradient, writes
 // weights) once every partition's push is in, and pulls of the step wait for
-// it. Per size, --warmup untimed steps, then --rounds rounds, each: one
-// ucx_perftest run (tag_bw at S, unless --no-baseline), then --iters timed
-// iterations of each of
+// it. Per size, --warmup untimed steps, then --rounds rounds, each: the
+// ucx_perftest runs (tag_bw at S, and tag_lat below, unless --no-baseline),
+// then --iters timed iterations of each of
 //   push:  push every partition of step s+1 at once, wait for every reply;
 //   pull:  pull every partition at the current step at once, wait for all;
 //   step:  push every partition of step s+1 and pull every partition of
@@ -38,6 +38,13 @@
 // worker gets (UCX_TLS=posix,sysv,self, UCX_RNDV_THRESH=inf) and pinned to
 // the CPUs of the two bench processes (server to the first CPU this process
 // may use, worker to the second, as --bind does for the bench).
+//
+// tag_bw streams messages back to back; a synchronous push or pull is one
+// request and one reply. So where a size is one message, each round also
+// runs tag_lat (ping-pong; its median is one leg) at S and at a frame
+// header, and ucx_perftest_rtt_gbps = S / (leg at S + leg at a header): the
+// goodput of one request/reply on UCX itself, with nothing on either side
+// but UCX. push_rtt_ratio and pull_rtt_ratio compare against it.
 //
 // Verification: gradients are 2^-10 everywhere and weights start at 1, so
 // after k SGD steps at lr 2^-10 every weight is exactly 1 - k 2^-20; the
@@ -426,8 +433,27 @@ class Perftest {
   Perftest(const BenchConfig& c, std::string binary) : c_(c), binary_(std::move(binary)) {}
 
   // GB/s of tag_bw at `size` bytes.
-  Result<double> Run(uint64_t size) {
-    const uint64_t n = std::clamp<uint64_t>((512ULL << 20) / size, 20, 8192);
+  Result<double> Bandwidth(uint64_t size) {
+    TANDEM_ASSIGN_OR_RETURN(const Figures f,
+                            Run("tag_bw", size, std::clamp<uint64_t>((512ULL << 20) / size, 20, 8192)));
+    return f.mib_per_s * 1048576.0 / 1e9;
+  }
+
+  // Microseconds of one message of `size` bytes one way: tag_lat's median,
+  // half of a ping-pong round trip with `size` bytes each way.
+  Result<double> Latency(uint64_t size) {
+    TANDEM_ASSIGN_OR_RETURN(const Figures f,
+                            Run("tag_lat", size, std::clamp<uint64_t>((256ULL << 20) / size, 200, 10000)));
+    return f.latency_us;
+  }
+
+ private:
+  struct Figures {
+    double latency_us = 0;  // median
+    double mib_per_s = 0;   // overall
+  };
+
+  Result<Figures> Run(const std::string& test, uint64_t size, uint64_t n) {
     const uint64_t w = std::clamp<uint64_t>(n / 10, 2, 100);
     TANDEM_ASSIGN_OR_RETURN(const int port, FreePort());
     const std::string server_log = c_.dir + "/perftest-server.log";
@@ -453,8 +479,8 @@ class Perftest {
     SpawnOptions co;
     co.argv = {binary_, "127.0.0.1", "-p", std::to_string(port)};
     if (c_.bind && c_.cpus.size() > 1) co.argv.insert(co.argv.end(), {"-c", std::to_string(c_.cpus[1])});
-    co.argv.insert(co.argv.end(), {"-t", "tag_bw", "-s", std::to_string(size), "-n", std::to_string(n), "-w",
-                                   std::to_string(w), "-f"});
+    co.argv.insert(co.argv.end(),
+                   {"-t", test, "-s", std::to_string(size), "-n", std::to_string(n), "-w", std::to_string(w), "-f"});
     co.extra_env = kPerftestEnv;
     co.output_file = client_log;
     auto client = Subprocess::Spawn(co);
@@ -466,7 +492,7 @@ class Perftest {
     if (!exit.ok()) {
       (*client)->Stop(std::chrono::milliseconds(500));
       server->Stop(std::chrono::milliseconds(500));
-      return DeadlineExceeded("ucx_perftest tag_bw {} bytes did not finish within {} ms", size, c_.timeout.count());
+      return DeadlineExceeded("ucx_perftest {} {} bytes did not finish within {} ms", test, size, c_.timeout.count());
     }
     if (!server->Wait(std::chrono::seconds(5)).ok()) server->Stop(std::chrono::milliseconds(500));
     if (!exit->success()) {
@@ -476,7 +502,7 @@ class Perftest {
     // bandwidth avg/overall (MiB/s), message rate avg/overall.
     std::ifstream in(client_log);
     std::string line;
-    std::optional<double> mib;
+    std::optional<Figures> figures;
     while (std::getline(in, line)) {
       std::istringstream fields(line);
       std::vector<std::string> f;
@@ -484,16 +510,17 @@ class Perftest {
       while (fields >> word) f.push_back(word);
       if (f.size() != 8 || f[0].find_first_not_of("0123456789") != std::string::npos) continue;
       try {
-        mib = std::stod(f[5]);
+        figures = Figures{std::stod(f[1]), std::stod(f[5])};
       } catch (const std::exception&) {
-        mib.reset();
+        figures.reset();
       }
     }
-    if (!mib) return Unavailable("no result line in ucx_perftest's output:{}", Tail(client_log, 5));
-    return *mib * 1048576.0 / 1e9;
+    if (!figures || !(figures->latency_us > 0) || !(figures->mib_per_s > 0)) {
+      return Unavailable("no result line in ucx_perftest {}'s output:{}", test, Tail(client_log, 5));
+    }
+    return *figures;
   }
 
- private:
   const BenchConfig& c_;
   const std::string binary_;
 };
@@ -512,6 +539,9 @@ struct Row {
   uint64_t message = 0;             // the largest message: a partition's gradient (or the size)
   std::vector<double> ucx;          // GB/s per round
   std::vector<double> ucx_message;  // GB/s per round at `message` bytes, when smaller than the size
+  // Per round (NaN when it failed), sizes of one message only: the goodput of
+  // a request/reply on UCX itself, S / (tag_lat at S + tag_lat at a header).
+  std::vector<double> round_rtt;
   std::string ucx_error;            // why there is no baseline
   std::optional<double> update_us;  // the server's optimizer time per step
   uint64_t wrong = 0;
@@ -651,7 +681,7 @@ Status MeasureSize(const BenchConfig& c, Worker& w, Perftest* perftest, comm::Fi
       std::vector<uint64_t> sizes = {row.size};
       if (row.message != row.size) sizes.push_back(row.message);
       for (uint64_t bytes : sizes) {
-        auto gbps = perftest->Run(bytes);
+        auto gbps = perftest->Bandwidth(bytes);
         if (gbps.ok()) {
           (bytes == row.size ? row.ucx : row.ucx_message).push_back(*gbps);
         } else {
@@ -659,6 +689,19 @@ Status MeasureSize(const BenchConfig& c, Worker& w, Perftest* perftest, comm::Fi
           fmt::print(stderr, "bench ps: ucx_perftest failed: {}\n", row.ucx_error);
         }
         if (bytes == row.size) row.round_ucx.push_back(gbps.ok() ? *gbps : std::nan(""));
+      }
+      // A push is S bytes out and a header back, a pull a header out and S
+      // bytes back: one ping-pong leg of each size.
+      if (row.message == row.size) {
+        auto out = perftest->Latency(row.size);
+        auto back = perftest->Latency(sizeof(ps::Frame));
+        if (out.ok() && back.ok()) {
+          row.round_rtt.push_back(static_cast<double>(row.size) / ((*out + *back) * 1e-6) / 1e9);
+        } else {
+          row.round_rtt.push_back(std::nan(""));
+          fmt::print(stderr, "bench ps: ucx_perftest tag_lat failed: {}\n",
+                     (out.ok() ? back.status() : out.status()).ToString());
+        }
       }
     }
     struct Phase {
@@ -712,31 +755,48 @@ void PrintHeader(const BenchConfig& c, const std::string& baseline) {
   fmt::print("# ucx = {}\n", baseline);
   fmt::print(
       "# ucx@msg = the same at the size of one partition's message (sizes above it); ratio = Tandem / ucx, per "
-      "round (ucx_perftest runs just before), median over rounds\n#\n");
-  fmt::print("# {:>8} {:>5} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6}\n", "size", "parts",
-             "push", "push", "pull", "pull", "step", "step", "upd", "ucx", "ucx@msg", "push", "pull", "#wrong");
-  fmt::print("# {:>8} {:>5} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6}\n", "(B)", "",
-             "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)", "(GB/s)", "ratio", "ratio", "");
+      "round (ucx_perftest runs just before), median over rounds\n");
+  fmt::print(
+      "# ucx rtt = what one request/reply reaches on UCX itself (sizes of one message): size / (tag_lat at the size "
+      "+ tag_lat at a {}-byte header), same settings and CPUs\n#\n",
+      sizeof(ps::Frame));
+  const std::string columns =
+      "# {:>8} {:>5} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8} {:>7} {:>7} {:>6} {:>6} {:>7} {:>6} {:>6} {:>6}\n";
+  fmt::print(fmt::runtime(columns), "size", "parts", "push", "push", "pull", "pull", "step", "step", "upd", "ucx",
+             "ucx@msg", "push", "pull", "ucx rtt", "push", "pull", "#wrong");
+  fmt::print(fmt::runtime(columns), "(B)", "", "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)",
+             "(GB/s)", "/ucx", "/ucx", "(GB/s)", "/rtt", "/rtt", "");
 }
 
 void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_env) {
   const double size = static_cast<double>(row.size);
   const double push_s = Median(row.push), pull_s = Median(row.pull), step_s = Median(row.step);
   const double push = size / push_s / 1e9, pull = size / pull_s / 1e9, step = 2 * size / step_s / 1e9;
+  // Each round's Tandem figure against the ucx_perftest runs just before it
+  // (the machine's state drifts between rounds), median over the rounds.
+  struct Against {
+    std::optional<double> baseline, push, pull;
+  };
+  auto against = [&](const std::vector<double>& rounds) {
+    Against a;
+    std::vector<double> baselines, push_ratios, pull_ratios;
+    for (size_t r = 0; r < rounds.size() && r < row.round_push.size() && r < row.round_pull.size(); ++r) {
+      if (!std::isfinite(rounds[r]) || rounds[r] <= 0) continue;
+      baselines.push_back(rounds[r]);
+      push_ratios.push_back(size / row.round_push[r] / 1e9 / rounds[r]);
+      pull_ratios.push_back(size / row.round_pull[r] / 1e9 / rounds[r]);
+    }
+    if (!baselines.empty()) a = Against{Median(baselines), Median(push_ratios), Median(pull_ratios)};
+    return a;
+  };
   std::optional<double> ucx, ucx_message, push_ratio, pull_ratio;
   if (!row.ucx.empty()) {
     ucx = Median(row.ucx);
-    // Each round's Tandem figure against the ucx_perftest run just before it
-    // (the machine's state drifts between rounds), median over the rounds.
-    std::vector<double> push_ratios, pull_ratios;
-    for (size_t r = 0; r < row.round_ucx.size() && r < row.round_push.size() && r < row.round_pull.size(); ++r) {
-      if (!std::isfinite(row.round_ucx[r]) || row.round_ucx[r] <= 0) continue;
-      push_ratios.push_back(size / row.round_push[r] / 1e9 / row.round_ucx[r]);
-      pull_ratios.push_back(size / row.round_pull[r] / 1e9 / row.round_ucx[r]);
-    }
-    push_ratio = Median(push_ratios);
-    pull_ratio = Median(pull_ratios);
+    const Against bw = against(row.round_ucx);
+    push_ratio = bw.push;
+    pull_ratio = bw.pull;
   }
+  const Against rtt = against(row.round_rtt);
   if (row.message == row.size) {
     ucx_message = ucx;
   } else if (!row.ucx_message.empty()) {
@@ -759,6 +819,8 @@ void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_
         "\"ucx_perftest_rounds_gbps\": [{}], \"ucx_perftest_env\": {}, \"ucx_perftest_error\": {}, ",
         JsonNumber(ucx, 5), JsonNumber(ucx_message, 5), JsonNumber(push_ratio, 4), JsonNumber(pull_ratio, 4),
         rounds_ucx, ucx ? JsonQuote(baseline_env) : "null", ucx ? "null" : JsonQuote(row.ucx_error));
+    line += fmt::format("\"ucx_perftest_rtt_gbps\": {}, \"push_rtt_ratio\": {}, \"pull_rtt_ratio\": {}, ",
+                        JsonNumber(rtt.baseline, 5), JsonNumber(rtt.push, 4), JsonNumber(rtt.pull, 4));
     line += fmt::format("\"rounds\": {}, \"iters\": {}, \"bind\": {}, \"wrong\": {}}}", c.rounds, c.iters,
                         c.bind ? "true" : "false", row.wrong);
     fmt::print("{}\n", line);
@@ -768,9 +830,11 @@ void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_
     return v ? fmt::format("{:.{}f}", *v, precision) : std::string("n/a");
   };
   fmt::print(
-      "  {:>8} {:>5} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6}\n",
+      "  {:>8} {:>5} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>8} {:>7} {:>7} {:>6} {:>6} {:>7} {:>6} "
+      "{:>6} {:>6}\n",
       SizeName(row.size), row.partitions, push_s * 1e6, push, pull_s * 1e6, pull, step_s * 1e6, step,
-      opt(row.update_us, 1), opt(ucx, 2), opt(ucx_message, 2), opt(push_ratio, 2), opt(pull_ratio, 2), row.wrong);
+      opt(row.update_us, 1), opt(ucx, 2), opt(ucx_message, 2), opt(push_ratio, 2), opt(pull_ratio, 2),
+      opt(rtt.baseline, 2), opt(rtt.push, 2), opt(rtt.pull, 2), row.wrong);
 }
 
 // The server process, killed by PID on every way out of the bench.
@@ -838,7 +902,8 @@ int BenchPsCommand(int argc, char** argv) {
       "tandem bench ps",
       "Measures parameter-server push and pull goodput over the real data path (a worker's PsClient and a server's "
       "ParameterStore in two processes on this machine, over the UCX parameter-server group) for a sweep of "
-      "gradient sizes, beside ucx_perftest tag_bw on the same transports, and prints one row per size.");
+      "gradient sizes, beside ucx_perftest on the same transports (tag_bw, and tag_lat's request/reply where a size "
+      "is one message), and prints one row per size.");
   options.Bytes("min_bytes", &c.min_bytes, "smallest gradient size (bytes on the wire per step)", 4096, 1ULL << 34);
   options.Bytes("max_bytes", &c.max_bytes, "largest gradient size", 4096, 1ULL << 34);
   options.Int("factor", &c.factor, "size multiplier between rows", 2, 1024);
@@ -849,7 +914,7 @@ int BenchPsCommand(int argc, char** argv) {
                  "the server's update rule (sgd: plain, exact results checked; adamw: weight decay 0.01)");
   options.Int("iters", &c.iters, "timed iterations of each kind (push, pull, step) per round", 1, 100000);
   options.Int("warmup", &c.warmup, "untimed steps per size", 0, 100000);
-  options.Int("rounds", &c.rounds, "rounds per size, each with one ucx_perftest run", 1, 1000);
+  options.Int("rounds", &c.rounds, "rounds per size, each with its own ucx_perftest runs", 1, 1000);
   options.Bool("no_baseline", &no_baseline, "skip the ucx_perftest baseline");
   options.Bool("json", &c.json, "print one JSON object per size instead of the table");
   options.Bool("bind", &c.bind,

@@ -215,6 +215,10 @@ def plot_ps(args):
     chart.line("push", [(r["size_bytes"], r["push_gbps"]) for r in rows])
     chart.line("pull", [(r["size_bytes"], r["pull_gbps"]) for r in rows])
     chart.line("ucx_perftest (same run)", [(r["size_bytes"], r.get("ucx_perftest_gbps")) for r in rows], dashed=True)
+    # One request/reply on UCX itself (sizes of one message; absent from
+    # results of builds before it was measured).
+    chart.line("UCX request/reply", [(r["size_bytes"], r.get("ucx_perftest_rtt_gbps")) for r in rows],
+               dashed=True)
     write_svg(args.output or "ps.svg", [chart])
 
 

@@ -85,13 +85,23 @@ class PlotTest(unittest.TestCase):
         self.assertEqual(len(polylines(svg)), 4, "Tandem, two Open MPI variants, gloo; no TCP, no memory bandwidth")
 
     def test_ps_shows_push_pull_and_the_baseline(self):
-        rows = [{"size_bytes": s, "push_gbps": 1.0, "pull_gbps": 2.0, "ucx_perftest_gbps": None if s == 65536 else 9.0}
+        rows = [{"size_bytes": s, "push_gbps": 1.0, "pull_gbps": 2.0, "ucx_perftest_gbps": None if s == 65536 else 9.0,
+                 "ucx_perftest_rtt_gbps": 8.0 if s < (4 << 20) else None}
                 for s in (65536, 1 << 20, 4 << 20)]
         jsonl = self.write("ps.jsonl", rows, junk="bench ps: a progress line\n")
         r = run("ps", jsonl, "-o", self.path("ps.svg"))
         self.assertEqual(r.returncode, 0, r.stderr)
         svg = ET.parse(self.path("ps.svg")).getroot()
-        self.assertEqual([len(l) for l in polylines(svg)], [3, 3, 2], "a missing baseline point is left out")
+        self.assertEqual([len(l) for l in polylines(svg)], [3, 3, 2, 2], "a missing baseline point is left out")
+        self.assertIn("UCX request/reply", texts(svg))
+
+    def test_ps_results_without_the_request_reply_baseline_still_draw(self):
+        rows = [{"size_bytes": s, "push_gbps": 1.0, "pull_gbps": 2.0, "ucx_perftest_gbps": 9.0} for s in (65536, 1 << 20)]
+        r = run("ps", self.write("old.jsonl", rows), "-o", self.path("old.svg"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        svg = ET.parse(self.path("old.svg")).getroot()
+        self.assertEqual(len(polylines(svg)), 3)
+        self.assertNotIn("UCX request/reply", texts(svg))
 
     def test_bad_input_is_named(self):
         r = run("run", self.path("nowhere"))
