@@ -6,6 +6,15 @@ Reads the baselines' raw-results.txt (RESULT|... lines) and the JSON lines of
 the data-plane targets, and writes the same as Markdown.
 
 Usage: bench_compare.py RAW_RESULTS TANDEM_JSONL [OUT_MD]
+       bench_compare.py --rounds ROUNDS [OUT_MD]
+
+With --rounds, ROUNDS holds rounds that alternate the baselines and Tandem
+(`make bench` writes it): each round starts with a line "# round K" and holds
+the RESULT lines of the Open MPI variants and the JSON lines of `tandem bench
+allreduce`, measured one right after the other. Each round's ratio compares
+Tandem with the best Open MPI variant of that round; the table gives every
+round's ratio and their median, so one slow moment of the host does not
+decide a size.
 """
 import json
 import sys
@@ -21,11 +30,12 @@ def human(n):
     return f"{n} B"
 
 
-def load_baselines(path):
+def load_baselines(path_or_lines):
     mpi = defaultdict(dict)  # (ranks, bytes) -> {variant: seconds}
     gloo = {}  # (ranks, bytes) -> seconds
     membw = {}  # (op, threads) -> STREAM-counted bytes/s
-    for line in open(path):
+    lines = open(path_or_lines) if isinstance(path_or_lines, str) else path_or_lines
+    for line in lines:
         if not line.startswith("RESULT|"):
             continue
         f = line.strip().split("|")
@@ -38,9 +48,10 @@ def load_baselines(path):
     return mpi, gloo, membw
 
 
-def load_tandem(path):
+def load_tandem(path_or_lines):
     rows = {}
-    for line in open(path):
+    lines = open(path_or_lines) if isinstance(path_or_lines, str) else path_or_lines
+    for line in lines:
         line = line.strip()
         if not line.startswith("{"):
             continue
@@ -49,7 +60,67 @@ def load_tandem(path):
     return rows
 
 
+def load_rounds(path):
+    """[(mpi, tandem)] per round of a --rounds file."""
+    chunks = []
+    for line in open(path):
+        if line.startswith("# round"):
+            chunks.append([])
+        elif chunks:
+            chunks[-1].append(line)
+    return [(load_baselines(c)[0], load_tandem(c)) for c in chunks]
+
+
+def median(values):
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def compare_rounds(path, out_path=None):
+    rounds = load_rounds(path)
+    if not rounds:
+        print(f"bench_compare: {path} holds no rounds ('# round K' lines)", file=sys.stderr)
+        return 1
+    out = [f"\n### allreduce, float32 sum, 2 ranks: {len(rounds)} rounds, each Open MPI then Tandem\n",
+           "| size | Tandem us (median) | best Open MPI us (median) | x Open MPI per round | median | rounds at 1.5x |",
+           "|---|---|---|---|---|---|"]
+    failures = []
+    sizes = sorted({size for mpi, ours in rounds for (ranks, size) in mpi if ranks == 2 and (2, size) in ours})
+    for size in sizes:
+        ratios, ours_us, mpi_us = [], [], []
+        for mpi, ours in rounds:
+            variants = mpi.get((2, size))
+            t = ours.get((2, size))
+            if not variants or t is None:
+                continue
+            best = min(variants.values())
+            ratios.append(best * 1e6 / t["time_us"])
+            ours_us.append(t["time_us"])
+            mpi_us.append(best * 1e6)
+            if t["wrong"]:
+                failures.append(f"{human(size)}: {t['wrong']} wrong elements")
+        if not ratios:
+            continue
+        met = sum(r >= 1.5 for r in ratios)
+        mid = median(ratios)
+        out.append(f"| {human(size)} | {median(ours_us):.1f} | {median(mpi_us):.1f} | "
+                   f"{', '.join(f'{r:.2f}' for r in ratios)} | **{mid:.2f}** | {met} of {len(ratios)} |")
+        if MiB <= size <= 64 * MiB and mid < 1.5:
+            failures.append(f"{human(size)}: median {mid:.3f}x the best Open MPI (target 1.5x)")
+    out.append("\n**Target (1.5x the best Open MPI, 1-64 MiB, median of the rounds):** " +
+               ("met." if not failures else "missed: " + "; ".join(failures) + "."))
+    text = "\n".join(out) + "\n"
+    print(text)
+    if out_path:
+        with open(out_path, "w") as f:
+            f.write(text)
+    return 0
+
+
 def main():
+    if len(sys.argv) >= 3 and sys.argv[1] == "--rounds":
+        return compare_rounds(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
     if len(sys.argv) < 3:
         print(__doc__)
         return 2
