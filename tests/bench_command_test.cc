@@ -123,7 +123,8 @@ TEST(BenchCommandTest, AllreduceChecksEveryResult) {
     EXPECT_EQ(Field(line, "wrong"), "0");
     EXPECT_EQ(Field(line, "type"), "\"float32\"");
     EXPECT_EQ(Field(line, "redop"), "\"sum\"");
-    EXPECT_GT(Number(line, "algbw_gbps"), 0);
+    EXPECT_GT(Number(line, "time_us"), 0);
+    EXPECT_GE(Number(line, "algbw_gbps"), 0);  // rounded: a loaded host may print 0.0000
   }
 }
 

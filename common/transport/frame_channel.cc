@@ -93,18 +93,37 @@ void FrameChannel::Send(int rank, ps::Frame header, const void* payload, size_t 
   if (peer == nullptr) {
     refused = InvalidArgument("rank {} is not a peer of this channel", rank);
   } else {
-    std::lock_guard lock(peer->mu);
-    if (stopping_.load()) {
-      refused = Cancelled("the channel is stopping");
-    } else if (!peer->failed.ok()) {
-      refused = peer->failed;
-    } else {
-      peer->queue.push_back(Outgoing{header, payload, bytes, std::move(done), std::move(keep)});
+    {
+      std::lock_guard lock(peer->mu);
+      if (stopping_.load()) {
+        refused = Cancelled("the channel is stopping");
+      } else if (!peer->failed.ok()) {
+        refused = peer->failed;
+      } else {
+        // Posted under the peer's lock: header i and payload i go out in the
+        // order of the Send calls, whichever threads make them.
+        Outgoing out{std::make_unique<ps::Frame>(header), nullptr, nullptr, std::move(done), std::move(keep)};
+        out.head = transport_->Send(peer->rank, ps::kHeaderTag, out.header.get(), sizeof(ps::Frame));
+        if (bytes > 0) out.body = transport_->Send(peer->rank, ps::kPayloadTag, payload, bytes);
+        peer->queue.push_back(std::move(out));
+      }
+    }
+    if (refused.ok()) {
+      // Outside the lock, so the sender does not wake only to wait for it.
+      // The peer lives as long as the channel.
       peer->cv.notify_one();
       return;
     }
   }
   if (done) done(refused);
+}
+
+void FrameChannel::Finish(Outgoing& out, const Status& status) {
+  out.head.reset();
+  out.body.reset();
+  if (out.done) out.done(status);
+  out.done = nullptr;
+  out.keep.reset();
 }
 
 Status FrameChannel::WaitFor(Request& request, Peer* peer) {
@@ -124,11 +143,9 @@ void FrameChannel::Fail(Peer* peer, const Status& status) {
     if (!peer->failed.ok()) return;
     peer->failed = status;
     dropped.swap(peer->queue);
-    peer->cv.notify_all();
   }
-  for (auto& out : dropped) {
-    if (out.done) out.done(status);
-  }
+  peer->cv.notify_all();
+  for (auto& out : dropped) Finish(out, status);
   if (!stopping_.load() && handler_.on_peer_failed) handler_.on_peer_failed(peer->rank, status);
 }
 
@@ -169,17 +186,11 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
 }
 
 void FrameChannel::SendLoop(Peer* peer) {
-  // Everything queued goes out at once (up to kBatch frames), then the loop
-  // waits for those sends: a burst of replies (the pulls a step's update
-  // answers) costs one wake-up of this thread, not one per frame. Frames
-  // are posted in queue order from this one thread, so header i still pairs
-  // with payload i.
+  // Takes everything posted (up to kBatch frames) at once and waits for the
+  // sends in order: a burst of replies (the pulls a step's update answers)
+  // costs one wake-up of this thread, not one per frame.
   constexpr size_t kBatch = 32;
-  struct InFlight {
-    Outgoing out;
-    std::unique_ptr<Request> head, body;
-  };
-  std::vector<InFlight> batch;
+  std::vector<Outgoing> batch;
   batch.reserve(kBatch);
   for (;;) {
     {
@@ -187,23 +198,16 @@ void FrameChannel::SendLoop(Peer* peer) {
       peer->cv.wait(lock, [&] { return stopping_.load() || !peer->failed.ok() || !peer->queue.empty(); });
       if (stopping_.load() || !peer->failed.ok()) return;
       while (!peer->queue.empty() && batch.size() < kBatch) {
-        batch.push_back(InFlight{std::move(peer->queue.front()), nullptr, nullptr});
+        batch.push_back(std::move(peer->queue.front()));
         peer->queue.pop_front();
       }
     }
-    for (InFlight& f : batch) {
-      f.head = transport_->Send(peer->rank, ps::kHeaderTag, &f.out.header, sizeof(f.out.header));
-      if (f.out.bytes > 0) f.body = transport_->Send(peer->rank, ps::kPayloadTag, f.out.payload, f.out.bytes);
-    }
     Status status;
-    for (InFlight& f : batch) {
+    for (Outgoing& out : batch) {
       // After a failure the rest are not waited for: Fail stops the peer.
-      if (status.ok()) status = WaitFor(*f.head, peer);
-      if (status.ok() && f.body) status = WaitFor(*f.body, peer);
-      f.head.reset();
-      f.body.reset();
-      if (f.out.done) f.out.done(status);
-      f.out.keep.reset();
+      if (status.ok()) status = WaitFor(*out.head, peer);
+      if (status.ok() && out.body) status = WaitFor(*out.body, peer);
+      Finish(out, status);
     }
     batch.clear();
     if (!status.ok()) {
@@ -230,9 +234,7 @@ void FrameChannel::Stop() {
       std::lock_guard lock(peer->mu);
       dropped.swap(peer->queue);
     }
-    for (auto& out : dropped) {
-      if (out.done) out.done(Cancelled("the channel stopped"));
-    }
+    for (auto& out : dropped) Finish(out, Cancelled("the channel stopped"));
   }
 }
 

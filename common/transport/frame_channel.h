@@ -11,10 +11,13 @@
 //
 // Threads: for every peer, one receiver thread (posts the header receive,
 // then the payload receive into a buffer the handler chooses, then calls the
-// handler) and one sender thread (sends the queued frames in order). Neither
-// ever waits on the other side's application, so two processes that send to
-// each other at once cannot deadlock whatever the transport's protocol
-// (eager or rendezvous). Handlers run on the receiver thread of the frame's
+// handler) and one sender thread. Send posts a frame's two messages to the
+// transport from the caller's thread, in call order per peer (a hand-off to
+// another thread costs a context switch on a busy core); the sender thread
+// waits for their completions, in order, and runs the `done` callbacks.
+// Neither thread ever waits on the other side's application, so two
+// processes that send to each other at once cannot deadlock whatever the
+// transport's protocol (eager or rendezvous). Handlers run on the receiver thread of the frame's
 // peer and must not block for long: a reply that has to wait (a pull for a
 // step not yet applied) is sent later, from whichever thread completes it.
 //
@@ -98,10 +101,11 @@ class FrameChannel {
   void Stop();
 
  private:
+  // A frame posted to the transport, until its sends complete. The header
+  // is on the heap: the transport reads it until then, and the entry moves.
   struct Outgoing {
-    ps::Frame header;
-    const void* payload = nullptr;
-    size_t bytes = 0;
+    std::unique_ptr<ps::Frame> header;
+    std::unique_ptr<Request> head, body;
     SendDone done;
     std::shared_ptr<const void> keep;
   };
@@ -122,6 +126,9 @@ class FrameChannel {
   // fails.
   Status WaitFor(Request& request, Peer* peer);
   void Fail(Peer* peer, const Status& status);
+  // Waits for (or cancels) its sends, then runs `done` with `status` and
+  // releases the payload: never before the transport is done reading it.
+  static void Finish(Outgoing& out, const Status& status);
 
   Transport* const transport_;
   const Handler handler_;

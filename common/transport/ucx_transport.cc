@@ -534,7 +534,7 @@ EndpointPaths ParseEndpointInfo(const std::string& text) {
 // ---------------------------------------------------------------------------
 // Operations.
 
-struct Op {
+struct Op : std::enable_shared_from_this<Op> {
   enum class Kind { kSend, kRecv };
   Op(Kind k, int p, uint64_t t, bool in, void* d, size_t b)
       : kind(k), peer(p), tag(t), internal(in), data(d), bytes(b) {}
@@ -1228,6 +1228,7 @@ void UcxTransport::Core::Drop(const std::shared_ptr<Op>& op) {
 void UcxTransport::Core::Start(const std::shared_ptr<Op>& op) {
   Peer& p = *peers_[static_cast<size_t>(op->peer)];
   bool dead = false;
+  bool dropped = false;
   std::string reason;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1236,9 +1237,12 @@ void UcxTransport::Core::Start(const std::shared_ptr<Op>& op) {
     if (op->dropped && !op->done) {  // dropped before it was posted
       op->done = true;
       op->status = Cancelled("ucx: the {} with rank {} was dropped before it started", Describe(*op), op->peer);
-      op->cv.notify_all();
-      return;
+      dropped = true;
     }
+  }
+  if (dropped) {
+    op->cv.notify_all();  // after unlocking (see Finish); `op` holds it
+    return;
   }
   if (op->kind == Op::Kind::kSend && (dead || p.ep == nullptr)) {
     Finish(*op, GoneStatus(*op, reason.empty() ? "its endpoint is closed" : reason));
@@ -1326,10 +1330,18 @@ void UcxTransport::Core::Complete(Op& op) {
 }
 
 void UcxTransport::Core::Finish(Op& op, Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (op.done) return;
-  op.done = true;
-  op.status = std::move(status);
+  // The waiter is woken after the lock is released: woken under it, it would
+  // run only to block on mu_ and be woken a second time (two context
+  // switches more per operation, on every hand-off of the data path). The
+  // reference keeps the op, and so its cv, alive until the notification,
+  // even if the waiter returns and drops its request at once.
+  const std::shared_ptr<Op> keep = op.shared_from_this();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (op.done) return;
+    op.done = true;
+    op.status = std::move(status);
+  }
   op.cv.notify_all();
 }
 
