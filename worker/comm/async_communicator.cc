@@ -94,10 +94,13 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
         task.op = op;
         task.bytes = bytes;
         queue_.push_back(std::move(task));
-        work_cv_.notify_one();
       }
     }
-    if (!fail.ok()) Complete(op, fail);
+    if (fail.ok()) {
+      work_cv_.notify_one();
+    } else {
+      Complete(op, fail);
+    }
     return AsyncCommunicator::Handle(op);
   }
 
@@ -114,6 +117,7 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
     const size_t bytes = count * elem;
     auto op = NewOp();
     Status fail;
+    bool closed = false;
     {
       std::lock_guard lock(mu_);
       ++submitted_;
@@ -123,6 +127,7 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
         if (open_ &&
             (open_->dtype != dtype || open_->reduce != reduce || open_->bucket_bytes + bytes > fusion_bytes_)) {
           CloseLocked();
+          closed = true;
         }
         if (!open_) {
           open_.emplace();
@@ -135,25 +140,40 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
         op->bucket.store(open_->bucket_id);
       }
     }
+    if (closed) work_cv_.notify_one();
     if (!fail.ok()) Complete(op, fail);
     return AsyncCommunicator::Handle(op);
   }
 
   // Closes the open bucket if it is bucket `id`.
   void CloseBucket(uint64_t id) {
-    std::lock_guard lock(mu_);
-    if (open_ && open_->bucket_id == id) CloseLocked();
+    {
+      std::lock_guard lock(mu_);
+      if (!open_ || open_->bucket_id != id) return;
+      CloseLocked();
+    }
+    work_cv_.notify_one();
   }
 
   void Flush() {
-    std::lock_guard lock(mu_);
-    if (open_) CloseLocked();
+    {
+      std::lock_guard lock(mu_);
+      if (!open_) return;
+      CloseLocked();
+    }
+    work_cv_.notify_one();
   }
 
   Status Synchronize(std::chrono::milliseconds timeout) {
     std::unique_lock lock(mu_);
-    if (open_) CloseLocked();
+    const bool closed = open_.has_value();
+    if (closed) CloseLocked();
     const uint64_t target = submitted_;
+    if (closed) {
+      lock.unlock();
+      work_cv_.notify_one();
+      lock.lock();
+    }
     if (!idle_cv_.wait_for(lock, timeout, [&] { return completed_ >= target; })) {
       return DeadlineExceeded("{} of {} operations on communicator \"{}\" still running after {} ms",
                               target - completed_, target, comm_->name(), timeout.count());
@@ -232,11 +252,12 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
     return op;
   }
 
+  // Queues the open bucket. The caller wakes the progress thread once it has
+  // released mu_ (woken under it, the thread would only block on mu_).
   void CloseLocked() TANDEM_REQUIRES(mu_) {
     for (auto& e : open_->entries) e.op->bucket.store(0);
     queue_.push_back(std::move(*open_));
     open_.reset();
-    work_cv_.notify_one();
   }
 
   void Complete(const std::shared_ptr<AsyncOp>& op, const Status& s) {
