@@ -209,7 +209,10 @@ TEST(CheckpointCliTest, SaveVerifyStatsAndRestoreAgainstRunningServers) {
             std::string::npos)
       << r.output;
   std::vector<float> restored(kParams);
-  ASSERT_TRUE(worker->Pull(0, restored).ok());
+  const Status pulled = worker->Pull(0, restored, milliseconds(20000));
+  ASSERT_TRUE(pulled.ok()) << pulled.ToString() << "\nserver-0:\n"
+                           << testing::ReadFile(servers[0].log_file) << "\nserver-1:\n"
+                           << testing::ReadFile(servers[1].log_file);
   EXPECT_EQ(restored, at_step2);
 
   worker.reset();

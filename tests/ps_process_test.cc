@@ -279,11 +279,13 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
 
   auto pull_all = [&] {
     std::vector<float> out(kParams);
-    const v1::ShardMap map = workers[0]->client().shard_map();
-    for (const auto& p : map.partitions()) {
-      auto op = workers[0]->client().Pull(p.id(), 0, v1::WIRE_DTYPE_FP32, out.data() + p.range().begin(),
-                                          (p.range().end() - p.range().begin()) * sizeof(float));
-      EXPECT_TRUE(op->Wait(milliseconds(10000)).ok());
+    const Status pulled = workers[0]->Pull(0, out, milliseconds(20000));
+    if (!pulled.ok()) {
+      std::string logs;
+      for (size_t i = 0; i < servers.size(); ++i) {
+        if (i != victim) logs += "\nserver " + std::to_string(i) + ":\n" + testing::ReadFile(servers[i].log_file);
+      }
+      ADD_FAILURE() << pulled.ToString() << logs;
     }
     return out;
   };

@@ -4,6 +4,7 @@
 // reading a daemon's metrics.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -15,6 +16,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "cli/launcher.h"
 #include "common/coordinator_rendezvous.h"
@@ -143,17 +146,24 @@ class PsWorker {
   }
 
   // The parameters after `step` (0: now) into `params` (the whole space).
-  Status Pull(uint64_t step, std::vector<float>& params) {
+  // All the partitions' pulls share one deadline, so a server that never
+  // answers fails the caller's test with a message (naming the partition)
+  // inside the test's own time limit.
+  Status Pull(uint64_t step, std::vector<float>& params,
+              std::chrono::milliseconds timeout = std::chrono::milliseconds(30000)) {
     const v1::ShardMap map = client_->shard_map();
-    std::vector<std::shared_ptr<worker::PsOp>> ops;
+    std::vector<std::pair<uint32_t, std::shared_ptr<worker::PsOp>>> ops;
     for (const auto& p : map.partitions()) {
-      ops.push_back(client_->Pull(p.id(), step, v1::WIRE_DTYPE_FP32, params.data() + p.range().begin(),
-                                  (p.range().end() - p.range().begin()) * sizeof(float)));
+      ops.emplace_back(p.id(), client_->Pull(p.id(), step, v1::WIRE_DTYPE_FP32, params.data() + p.range().begin(),
+                                             (p.range().end() - p.range().begin()) * sizeof(float)));
     }
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
     Status failed;
-    for (auto& op : ops) {
-      Status s = op->Wait(std::chrono::milliseconds(30000));
-      if (!s.ok() && failed.ok()) failed = s;
+    for (auto& [id, op] : ops) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      Status s = op->Wait(std::max(left, std::chrono::milliseconds(0)));
+      if (!s.ok() && failed.ok()) failed = s.WithContext(fmt::format("pull of partition {} at step {}", id, step));
     }
     return failed;
   }
