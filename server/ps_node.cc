@@ -1,5 +1,6 @@
 #include "server/ps_node.h"
 
+#include <atomic>
 #include <filesystem>
 
 #include <google/protobuf/util/time_util.h>
@@ -8,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/coordinator_rendezvous.h"
+#include "common/failpoint.h"
 #include "common/grpc_util.h"
 #include "server/checkpoint/checkpoint.h"
 
@@ -57,6 +59,13 @@ class PsNode::Service final : public v1::ParameterServer::Service {
   grpc::Status InitializeParameters(grpc::ServerContext*, const v1::InitializeParametersRequest* request,
                                     v1::InitializeParametersResponse* response) override {
     if (Status s = Check(request->token()); !s.ok()) return s.ToGrpc();
+    if (const auto refusals = FailpointNumber("ps.initialize_unavailable");
+        refusals && initialize_refused_.fetch_add(1) < *refusals) {
+      return Unavailable(
+                 "failpoint ps.initialize_unavailable: refusing InitializeParameters (a server still "
+                 "starting)")
+          .ToGrpc();
+    }
     auto result = node_->store().Initialize(*request);
     if (!result.ok()) return result.status().ToGrpc();
     *response = std::move(result).value();
@@ -282,6 +291,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
   }
 
   PsNode* const node_;
+  std::atomic<uint64_t> initialize_refused_{0};  // failpoint ps.initialize_unavailable
   std::mutex mu_;
   std::string token_ TANDEM_GUARDED_BY(mu_);
   bool has_token_ TANDEM_GUARDED_BY(mu_) = false;

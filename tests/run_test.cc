@@ -48,6 +48,37 @@ TEST(TandemRunTest, TrainsOnALocalClusterAndStopsItCleanly) {
   }
 }
 
+// Servers that refuse the first InitializeParameters calls with UNAVAILABLE
+// (as one whose gRPC channel is still connecting on a loaded host does): the
+// workers retry within the epoch instead of waiting for an epoch that never
+// comes, and training completes.
+TEST(TandemRunTest, WorkersRetryServersThatAreNotReadyToInitialiseYet) {
+  testing::TempDir dir;
+  std::vector<std::string> argv = {"/usr/bin/env",
+                                   "TANDEM_FAILPOINTS=ps.initialize_unavailable=3",
+                                   BinDir() + "/tandem",
+                                   "run",
+                                   "--nodes",
+                                   "2",
+                                   "--servers",
+                                   "2",
+                                   "--steps",
+                                   "4",
+                                   "--work-dir",
+                                   dir.path(),
+                                   "--bind=false"};
+  argv.insert(argv.end(), kSmallModel.begin(), kSmallModel.end());
+  const auto r = RunCommand(argv, std::chrono::seconds(90));
+  ASSERT_TRUE(r.exit.success()) << r.output;
+  EXPECT_NE(r.output.find("Done: 4 of 4 steps"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("membership epochs 1,"), std::string::npos) << r.output;
+  std::string logs;
+  for (int i = 0; i < 2; ++i) logs += testing::ReadFile(dir.path() + "/worker-" + std::to_string(i) + ".log");
+  EXPECT_NE(logs.find("failpoint ps.initialize_unavailable"), std::string::npos) << logs;
+  EXPECT_NE(logs.find("; retrying in 100 ms"), std::string::npos) << logs;
+  EXPECT_EQ(logs.find("waiting for the next epoch"), std::string::npos) << logs;
+}
+
 TEST(TandemRunTest, CtrlCStopsAHeldCluster) {
   testing::TempDir dir;
   SpawnOptions options;

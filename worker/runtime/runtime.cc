@@ -623,7 +623,25 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
       const uint64_t from = std::max<uint64_t>(b, lo), to = std::min<uint64_t>(e, hi);
       if (from < to) std::memcpy(out + (from - b), params_.data() + (from - lo), (to - from) * sizeof(float));
     };
+    // A server of the epoch may not answer yet (its gRPC channel still
+    // connecting, a loaded host): UNAVAILABLE is retried with backoff while
+    // the epoch lasts, up to runtime.epoch_wait. Initialising is idempotent
+    // (a server takes the first values it gets), and nothing collective has
+    // run yet, so a retry repeats nothing the other workers wait for. A
+    // server that is really gone ends the epoch, which ends the retries.
     auto initialized = ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
+    const auto give_up = Clock::now() + options_.epoch_wait;
+    auto backoff = std::chrono::milliseconds(100);
+    while (!initialized.ok() && initialized.status().code() == StatusCode::kUnavailable &&
+           Clock::now() + backoff < give_up && !stopped_ && !plane_.stopping()) {
+      spdlog::warn("epoch {}: initialising the parameter servers: {}; retrying in {} ms", view.epoch.epoch(),
+                   initialized.status().ToString(), backoff.count());
+      if (plane_.WaitNewer(view.epoch.epoch(), backoff) || ps->epoch() != view.epoch.epoch()) {
+        return Aborted("epoch {} was superseded while initialising its parameter servers", view.epoch.epoch());
+      }
+      backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
+      initialized = ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
+    }
     if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
     if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
     servers_initialized_ = true;
