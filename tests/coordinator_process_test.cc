@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -203,6 +204,16 @@ TEST_F(CoordinatorProcessTest, ATornLogTailIsRecoveredUpToTheLastGoodRecord) {
   ASSERT_TRUE(worker.ok());
   auto [s1, t1] = WaitFor([](const auto& s) { return s.active_epoch() == 1; });
   ASSERT_EQ(s1.active_epoch(), 1u);
+  // The status shows the activation as soon as it is decided; it is durable
+  // once the member hears of it (the watch stream sends only durable
+  // epochs). Kill only then, so the activation is in the log.
+  const auto heard = std::chrono::steady_clock::now() + milliseconds(10000);
+  while (testing::ReadFile(worker->log_file).find("epoch 1 is active") == std::string::npos &&
+         std::chrono::steady_clock::now() < heard) {
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  ASSERT_NE(testing::ReadFile(worker->log_file).find("epoch 1 is active"), std::string::npos)
+      << testing::ReadFile(worker->log_file);
   ASSERT_TRUE(coordinator->process->Signal(SIGKILL).ok());
   ASSERT_TRUE(coordinator->process->Wait(milliseconds(5000)).ok());
   // A crash mid-write leaves half a record at the end of the newest log segment.
