@@ -625,7 +625,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     };
     // A server of the epoch may not answer yet (its gRPC channel still
     // connecting, a loaded host): UNAVAILABLE is retried with backoff while
-    // the epoch lasts, up to runtime.epoch_wait. Initialising is idempotent
+    // the epoch lasts, up to train.epoch_wait. Initialising is idempotent
     // (a server takes the first values it gets), and nothing collective has
     // run yet, so a retry repeats nothing the other workers wait for. A
     // server that is really gone ends the epoch, which ends the retries.
