@@ -81,9 +81,11 @@ class FrameChannel {
   FrameChannel(const FrameChannel&) = delete;
   FrameChannel& operator=(const FrameChannel&) = delete;
 
-  // Queues a frame to `peer`. header.payload_bytes must equal `bytes`.
-  // `payload` must stay valid until `done` runs (or `keep` holds it: the
-  // channel releases `keep` after the send). A peer that is not served, or
+  // Posts a frame to `peer` on the transport, from the calling thread (also
+  // before Start: only the waiting for its completion needs the threads).
+  // header.payload_bytes must equal `bytes`. `payload` must stay valid until
+  // `done` runs (or `keep` holds it: the channel releases `keep` after the
+  // send). A peer that is not served, or
   // failed, or a stopped channel: `done` runs at once with the error.
   void Send(int peer, ps::Frame header, const void* payload, size_t bytes, SendDone done = nullptr,
             std::shared_ptr<const void> keep = nullptr);
