@@ -324,6 +324,7 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // The worker closes its group when it is done with a size, just before it
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
+  handler.runs_inline = server::HandledInline;
   e.owned_channel =
       std::make_unique<transport::FrameChannel>(e.group.transport.get(), std::vector<int>{worker}, std::move(handler));
   e.channel.store(e.owned_channel.get());

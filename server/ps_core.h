@@ -419,11 +419,23 @@ class ParameterStore {
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
 };
 
+// Whether a server handles this frame on its transport's completion thread
+// (FrameChannel::Handler::runs_inline): pulls, which are answered at once or
+// queued for their step, and wait for nothing but the store's and a
+// partition's locks.
+// Everything else (pushes, which may run the optimizer; replication) is
+// handled on the frame's peer's receiver thread.
+inline bool HandledInline(const ps::Frame& header) {
+  return header.type == ps::FrameType::kPull;
+}
+
 // Lands pushes in store buffers for a frame channel (FrameChannel::Handler):
 // payload_buffer asks the store for a buffer it can keep
 // (ParameterStore::PushBuffer) and holds it for the frame's peer until
 // on_frame hands it to Push. A channel receives each peer's frames one at a
-// time on one thread, so one slot per peer suffices and needs no lock.
+// time (a frame's payload_buffer and on_frame calls end before the next
+// frame's begin, whichever threads make them), so one slot per peer
+// suffices and needs no lock.
 class PushLanding {
  public:
   // `peers`: ranks are 0 to peers - 1.

@@ -532,8 +532,9 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
+  handler.runs_inline = HandledInline;
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
-                                                             std::chrono::milliseconds(50), /*start=*/false);
+                                                             /*start=*/false);
   {
     std::lock_guard lock(mu_);
     group_ = group;

@@ -2,11 +2,14 @@
 // ThreadSanitizer runs it): FrameChannel request/response between ranks of
 // an in-process transport, with many threads sending at once, payloads
 // received straight into caller buffers, a peer that dies, and Stop while
-// traffic flows; and a ParameterStore whose pushes and pulls arrive from many
-// threads at once, as they do from the channel's receiver threads.
+// traffic flows; pulls handled on the completion thread beside pushes on the
+// receiver threads; and a ParameterStore whose pushes and pulls arrive from many
+// threads at once, as they do from the channel's threads.
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <random>
+#include <set>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -14,6 +17,7 @@
 #include "common/transport/frame_channel.h"
 #include "common/transport/local_transport.h"
 #include "server/ps_core.h"
+#include "tests/async_transport_checks.h"
 
 namespace tandem {
 namespace {
@@ -122,6 +126,112 @@ TEST(FrameChannelTest, ManyThreadsRequestAndReplyInOrderPerPeer) {
   EXPECT_FALSE(sent.ok());
   server->Stop();
   clients[0].channel->Stop();
+}
+
+TEST(LocalTransportTest, CompletionsRunOnTheDeliveryThread) {
+  auto fabric = transport::LocalFabric::Create(2);
+  auto t0 = fabric->Connect(0);
+  auto t1 = fabric->Connect(1);
+  testing::CheckAsyncCompletions(t0.get(), t1.get(), [&] { fabric->Kill(0); });
+}
+
+// Pulls are handled where they arrive (runs_inline), pushes on the peer's
+// receiver thread, some of them slowly: each peer's frames are still handled
+// one at a time and in the order sent, and both threads are used. Then Stop
+// while frames flow: every send's `done` runs, and no handler after Stop.
+TEST(FrameChannelTest, InlineAndThreadedFramesKeepEachPeersOrder) {
+  auto fabric = transport::LocalFabric::Create(3);
+  auto t0 = fabric->Connect(0);
+  auto t1 = fabric->Connect(1);
+  auto t2 = fabric->Connect(2);
+  std::mutex mu;
+  std::map<int, std::vector<uint64_t>> handled;  // peer -> request ids
+  std::set<std::thread::id> inline_threads, receiver_threads;
+  std::atomic<int> in_handler[3] = {0, 0, 0};  // per peer
+  std::atomic<int> overlapped{0};
+  std::atomic<bool> stopped{false};
+  std::atomic<int> after_stop{0};
+  FrameChannel::Handler sh;
+  sh.runs_inline = [](const ps::Frame& h) { return h.type == ps::FrameType::kPull; };
+  sh.on_frame = [&](int peer, const ps::Frame& h, void* payload, std::vector<char>&) {
+    if (stopped.load()) after_stop.fetch_add(1);
+    if (in_handler[peer].fetch_add(1) > 0) overlapped.fetch_add(1);  // one frame of a peer at a time
+    if (h.payload_bytes > 0) {
+      EXPECT_EQ(static_cast<const char*>(payload)[0], static_cast<char>(h.request_id));
+    }
+    {
+      std::lock_guard lock(mu);
+      handled[peer].push_back(h.request_id);
+      (h.type == ps::FrameType::kPull ? inline_threads : receiver_threads).insert(std::this_thread::get_id());
+    }
+    if (h.type == ps::FrameType::kPush && h.request_id % 7 == 0) std::this_thread::sleep_for(milliseconds(1));
+    in_handler[peer].fetch_sub(1);
+  };
+  FrameChannel server(t0.get(), std::vector<int>{1, 2}, sh);
+  FrameChannel::Handler ch;
+  ch.on_frame = [](int, const ps::Frame&, void*, std::vector<char>&) {};
+  FrameChannel c1(t1.get(), std::vector<int>{0}, ch);
+  FrameChannel c2(t2.get(), std::vector<int>{0}, ch);
+  constexpr uint64_t kFrames = 300;
+  std::atomic<int> sent{0};
+  auto send_all = [&](FrameChannel& c) {
+    for (uint64_t id = 1; id <= kFrames; ++id) {
+      ps::Frame f;
+      f.type = id % 3 == 0 ? ps::FrameType::kPush : ps::FrameType::kPull;
+      f.request_id = id;
+      c.Send(0, f, std::vector<char>(1 + id % 5, static_cast<char>(id)), [&](const Status& s) {
+        EXPECT_TRUE(s.ok()) << s.ToString();
+        sent.fetch_add(1);
+      });
+    }
+  };
+  std::thread a([&] { send_all(c1); });
+  std::thread b([&] { send_all(c2); });
+  a.join();
+  b.join();
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(10000);
+  auto total = [&] {
+    std::lock_guard lock(mu);
+    return handled[1].size() + handled[2].size();
+  };
+  while (total() < 2 * kFrames && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(2));
+  }
+  {
+    std::lock_guard lock(mu);
+    for (int peer : {1, 2}) {
+      ASSERT_EQ(handled[peer].size(), kFrames) << "peer " << peer;
+      for (uint64_t i = 0; i < kFrames; ++i) ASSERT_EQ(handled[peer][i], i + 1) << "peer " << peer;
+    }
+    EXPECT_FALSE(inline_threads.empty());
+    EXPECT_FALSE(receiver_threads.empty());
+    for (const auto& id : inline_threads) EXPECT_EQ(receiver_threads.count(id), 0u);
+  }
+  EXPECT_EQ(overlapped.load(), 0);
+  EXPECT_EQ(sent.load(), static_cast<int>(2 * kFrames));
+
+  // Stop while a client keeps sending.
+  std::atomic<bool> go{true};
+  std::atomic<int> done_calls{0}, posted{0};
+  std::thread flood([&] {
+    for (uint64_t id = 1; go.load(); ++id) {
+      ps::Frame f;
+      f.type = id % 2 == 0 ? ps::FrameType::kPush : ps::FrameType::kPull;
+      f.request_id = id;
+      posted.fetch_add(1);
+      c1.Send(0, f, std::vector<char>(64, static_cast<char>(id)), [&](const Status&) { done_calls.fetch_add(1); });
+    }
+  });
+  std::this_thread::sleep_for(milliseconds(20));
+  server.Stop();
+  stopped.store(true);
+  std::this_thread::sleep_for(milliseconds(20));
+  go.store(false);
+  flood.join();
+  c1.Stop();
+  EXPECT_EQ(after_stop.load(), 0);
+  EXPECT_EQ(done_calls.load(), posted.load());  // every send's done ran, by the time Stop returned
+  c2.Stop();
 }
 
 class NoLinks : public server::ServerLinks {

@@ -31,6 +31,7 @@
 #include <gtest/gtest.h>
 
 #include "common/process.h"
+#include "tests/async_transport_checks.h"
 #include "tests/test_util.h"
 #include "worker/collectives/collectives.h"
 
@@ -562,6 +563,25 @@ TEST_P(UcxPathTest, CpuCollectives) {
     for (size_t i = 0; i < results.size(); ++i)
       EXPECT_TRUE(results[i].ok()) << "rank " << i / 5 << " step " << i % 5 << ": " << results[i].ToString();
   }
+}
+
+TEST_P(UcxPathTest, CompletionsRunOnTheProgressThread) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  testing::CheckAsyncCompletions(g[0].get(), g[1].get(), [&] { g[0].reset(); });
+}
+
+TEST_P(UcxPathTest, RefusedOperationsStillCompleteOnTheProgressThread) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  testing::Completions done;
+  int64_t value = 0;
+  auto bad_peer = g[0]->SendAsync(5, 1, &value, sizeof(value), done.Record());
+  auto bad_tag = g[0]->RecvAsync(1, uint64_t{1} << 50, &value, sizeof(value), done.Record());
+  ASSERT_TRUE(done.WaitFor(2));
+  for (const Status& s : done.statuses()) EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_FALSE(done.ranOnCaller());
+  EXPECT_EQ(bad_peer->Wait(kWait).code(), StatusCode::kInvalidArgument);
 }
 
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,

@@ -36,9 +36,8 @@ const char* FrameTypeName(FrameType type) {
 
 namespace tandem::transport {
 
-FrameChannel::FrameChannel(Transport* transport, std::vector<int> peers, Handler handler,
-                           std::chrono::milliseconds poll, bool start)
-    : transport_(transport), handler_(std::move(handler)), poll_(poll) {
+FrameChannel::FrameChannel(Transport* transport, std::vector<int> peers, Handler handler, bool start)
+    : transport_(transport), handler_(std::move(handler)) {
   std::sort(peers.begin(), peers.end());
   peers.erase(std::unique(peers.begin(), peers.end()), peers.end());
   for (int rank : peers) {
@@ -56,7 +55,11 @@ void FrameChannel::Start() {
   for (auto& peer : peers_) {
     Peer* p = peer.get();
     p->receiver = std::thread([this, p] { ReceiveLoop(p); });
-    p->sender = std::thread([this, p] { SendLoop(p); });
+    std::unique_ptr<Request> old;
+    {
+      std::lock_guard lock(p->mu);
+      old = PostHeaderLocked(p);
+    }
   }
 }
 
@@ -93,127 +96,145 @@ void FrameChannel::Send(int rank, ps::Frame header, const void* payload, size_t 
   if (peer == nullptr) {
     refused = InvalidArgument("rank {} is not a peer of this channel", rank);
   } else {
-    {
-      std::lock_guard lock(peer->mu);
-      if (stopping_.load()) {
-        refused = Cancelled("the channel is stopping");
-      } else if (!peer->failed.ok()) {
-        refused = peer->failed;
-      } else {
-        // Posted under the peer's lock: header i and payload i go out in the
-        // order of the Send calls, whichever threads make them.
-        Outgoing out{std::make_unique<ps::Frame>(header), nullptr, nullptr, std::move(done), std::move(keep)};
-        out.head = transport_->Send(peer->rank, ps::kHeaderTag, out.header.get(), sizeof(ps::Frame));
-        if (bytes > 0) out.body = transport_->Send(peer->rank, ps::kPayloadTag, payload, bytes);
-        peer->queue.push_back(std::move(out));
-      }
-    }
-    if (refused.ok()) {
-      // Outside the lock, so the sender does not wake only to wait for it.
-      // The peer lives as long as the channel.
-      peer->cv.notify_one();
+    std::lock_guard lock(peer->mu);
+    if (stopping_.load()) {
+      refused = Cancelled("the channel is stopping");
+    } else if (!peer->failed.ok()) {
+      refused = peer->failed;
+    } else {
+      // Posted under the peer's lock: header i and payload i go out in the
+      // order of the Send calls, whichever threads make them. The
+      // completions run on the transport's thread, never inside these calls.
+      auto out = std::make_shared<Outgoing>();
+      out->header = header;
+      out->done = std::move(done);
+      out->keep = std::move(keep);
+      out->left.store(bytes > 0 ? 2 : 1);
+      const uint64_t id = peer->next_send++;
+      peer->sending.emplace(id, out);
+      Outgoing* raw = out.get();
+      auto sent = [this, peer, id, out](const Status& status) { OnSent(peer, id, *out, status); };
+      raw->head = transport_->SendAsync(peer->rank, ps::kHeaderTag, &raw->header, sizeof(ps::Frame), sent);
+      if (bytes > 0) raw->body = transport_->SendAsync(peer->rank, ps::kPayloadTag, payload, bytes, sent);
       return;
     }
   }
   if (done) done(refused);
 }
 
-void FrameChannel::Finish(Outgoing& out, const Status& status) {
-  out.head.reset();
-  out.body.reset();
-  if (out.done) out.done(status);
+void FrameChannel::OnSent(Peer* peer, uint64_t id, Outgoing& out, const Status& status) {
+  Status result;
+  {
+    std::lock_guard lock(out.mu);
+    if (!status.ok() && out.status.ok()) out.status = status;
+    if (out.left.fetch_sub(1) != 1) return;
+    result = out.status;
+  }
+  {
+    std::lock_guard lock(peer->mu);
+    peer->sending.erase(id);
+  }
+  // Both messages are sent (or failed): the payload is no longer read.
+  if (out.done) out.done(result);
   out.done = nullptr;
   out.keep.reset();
+  if (!result.ok() && result.code() != StatusCode::kCancelled) Fail(peer, result);
 }
 
-Status FrameChannel::WaitFor(Request& request, Peer* peer) {
-  for (;;) {
-    Status status = request.Wait(poll_);
-    if (status.code() != StatusCode::kDeadlineExceeded) return status;
-    if (stopping_.load()) return Cancelled("the channel is stopping");
-    std::lock_guard lock(peer->mu);
-    if (!peer->failed.ok()) return peer->failed;
+std::unique_ptr<Request> FrameChannel::PostHeaderLocked(Peer* peer) {
+  if (stopping_.load() || !peer->failed.ok()) return nullptr;
+  std::unique_ptr<Request> old = std::move(peer->recv);
+  peer->recv = transport_->RecvAsync(peer->rank, ps::kHeaderTag, &peer->header, sizeof(ps::Frame),
+                                     [this, peer](const Status& status) { OnHeader(peer, status); });
+  return old;
+}
+
+void FrameChannel::Received(Peer* peer, const Status& status) {
+  // A receive cancelled by Stop (or by the transport closing) ends the chain quietly.
+  if (status.code() == StatusCode::kCancelled) return;
+  Fail(peer, status);
+}
+
+void FrameChannel::OnHeader(Peer* peer, const Status& status) {
+  if (!status.ok()) return Received(peer, status);
+  const ps::Frame& header = peer->header;
+  if (header.magic != ps::kMagic) {
+    return Fail(peer, InvalidArgument("rank {} sent a frame with magic {:#x}, expected {:#x}", peer->rank, header.magic,
+                                      ps::kMagic));
   }
+  if (header.payload_bytes == 0) {
+    peer->payload = nullptr;
+    return Deliver(peer);
+  }
+  void* payload = handler_.payload_buffer ? handler_.payload_buffer(peer->rank, header) : nullptr;
+  if (payload == nullptr) {
+    // Reused while the sizes repeat (no zero-filling per frame).
+    if (peer->owned.size() != header.payload_bytes) peer->owned.resize(header.payload_bytes);
+    payload = peer->owned.data();
+  }
+  peer->payload = payload;
+  std::unique_ptr<Request> old;  // this header's receive: it does not wait for its own completion
+  std::lock_guard lock(peer->mu);
+  if (stopping_.load() || !peer->failed.ok()) return;
+  old = std::move(peer->recv);
+  peer->recv = transport_->RecvAsync(peer->rank, ps::kPayloadTag, payload, header.payload_bytes,
+                                     [this, peer](const Status& s) { OnPayload(peer, s); });
+}
+
+void FrameChannel::OnPayload(Peer* peer, const Status& status) {
+  if (!status.ok()) return Received(peer, status);
+  Deliver(peer);
+}
+
+void FrameChannel::Deliver(Peer* peer) {
+  if (handler_.runs_inline && handler_.runs_inline(peer->header)) {
+    handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
+    std::unique_ptr<Request> old;
+    std::lock_guard lock(peer->mu);
+    old = PostHeaderLocked(peer);
+    return;
+  }
+  {
+    std::lock_guard lock(peer->mu);
+    peer->frame_ready = true;
+  }
+  // The last thing this completion does: the receiver thread may replace
+  // (and so drop) its request at once.
+  peer->cv.notify_one();
 }
 
 void FrameChannel::Fail(Peer* peer, const Status& status) {
-  std::deque<Outgoing> dropped;
   {
     std::lock_guard lock(peer->mu);
     if (!peer->failed.ok()) return;
     peer->failed = status;
-    dropped.swap(peer->queue);
+    peer->failure_pending = true;
   }
-  peer->cv.notify_all();
-  for (auto& out : dropped) Finish(out, status);
-  if (!stopping_.load() && handler_.on_peer_failed) handler_.on_peer_failed(peer->rank, status);
+  peer->cv.notify_one();
 }
 
 void FrameChannel::ReceiveLoop(Peer* peer) {
-  std::vector<char> owned;
-  while (!stopping_.load()) {
-    ps::Frame header;
-    auto request = transport_->Recv(peer->rank, ps::kHeaderTag, &header, sizeof(header));
-    Status status = WaitFor(*request, peer);
-    request.reset();
-    if (!status.ok()) {
-      if (status.code() != StatusCode::kCancelled) Fail(peer, status);
-      return;
-    }
-    if (header.magic != ps::kMagic) {
-      Fail(peer, InvalidArgument("rank {} sent a frame with magic {:#x}, expected {:#x}", peer->rank, header.magic,
-                                 ps::kMagic));
-      return;
-    }
-    void* payload = nullptr;
-    if (header.payload_bytes > 0) {
-      if (handler_.payload_buffer) payload = handler_.payload_buffer(peer->rank, header);
-      if (payload == nullptr) {
-        // Reused while the sizes repeat (no zero-filling per frame).
-        if (owned.size() != header.payload_bytes) owned.resize(header.payload_bytes);
-        payload = owned.data();
-      }
-      auto data = transport_->Recv(peer->rank, ps::kPayloadTag, payload, header.payload_bytes);
-      status = WaitFor(*data, peer);
-      data.reset();
-      if (!status.ok()) {
-        if (status.code() != StatusCode::kCancelled) Fail(peer, status);
-        return;
-      }
-    }
-    handler_.on_frame(peer->rank, header, payload, owned);
-  }
-}
-
-void FrameChannel::SendLoop(Peer* peer) {
-  // Takes everything posted (up to kBatch frames) at once and waits for the
-  // sends in order: a burst of replies (the pulls a step's update answers)
-  // costs one wake-up of this thread, not one per frame.
-  constexpr size_t kBatch = 32;
-  std::vector<Outgoing> batch;
-  batch.reserve(kBatch);
+  std::unique_lock lock(peer->mu);
   for (;;) {
-    {
-      std::unique_lock lock(peer->mu);
-      peer->cv.wait(lock, [&] { return stopping_.load() || !peer->failed.ok() || !peer->queue.empty(); });
-      if (stopping_.load() || !peer->failed.ok()) return;
-      while (!peer->queue.empty() && batch.size() < kBatch) {
-        batch.push_back(std::move(peer->queue.front()));
-        peer->queue.pop_front();
-      }
+    peer->cv.wait(lock, [&] { return stopping_.load() || peer->frame_ready || peer->failure_pending; });
+    if (stopping_.load()) return;
+    if (peer->frame_ready) {
+      peer->frame_ready = false;
+      lock.unlock();
+      handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
+      lock.lock();
+      std::unique_ptr<Request> old = PostHeaderLocked(peer);
+      lock.unlock();
+      old.reset();  // the payload's receive: waits (briefly) for its completion to return
+      lock.lock();
+      continue;
     }
-    Status status;
-    for (Outgoing& out : batch) {
-      // After a failure the rest are not waited for: Fail stops the peer.
-      if (status.ok()) status = WaitFor(*out.head, peer);
-      if (status.ok() && out.body) status = WaitFor(*out.body, peer);
-      Finish(out, status);
-    }
-    batch.clear();
-    if (!status.ok()) {
-      if (status.code() != StatusCode::kCancelled) Fail(peer, status);
-      return;
-    }
+    // failure_pending: nothing more is received from this peer.
+    peer->failure_pending = false;
+    const Status status = peer->failed;
+    lock.unlock();
+    if (handler_.on_peer_failed) handler_.on_peer_failed(peer->rank, status);
+    return;
   }
 }
 
@@ -221,20 +242,29 @@ void FrameChannel::Stop() {
   std::lock_guard stop_lock(stop_mu_);
   if (stopped_) return;
   stopped_ = true;
-  stopping_.store(true);
   for (auto& peer : peers_) {
     std::lock_guard lock(peer->mu);
+    stopping_.store(true);  // under each peer's lock: nothing is posted to it after this
     peer->cv.notify_all();
+  }
+  stopping_.store(true);
+  for (auto& peer : peers_) {
+    std::unique_ptr<Request> recv;
+    std::vector<std::shared_ptr<Outgoing>> sending;
+    {
+      std::lock_guard lock(peer->mu);
+      recv = std::move(peer->recv);
+      for (auto& [id, out] : peer->sending) sending.push_back(out);
+    }
+    recv.reset();  // cancels it; returns once its completion has run
+    for (auto& out : sending) {
+      // Sends cannot be cancelled: each returns once sent (or failed) and its done ran.
+      out->head.reset();
+      out->body.reset();
+    }
   }
   for (auto& peer : peers_) {
     if (peer->receiver.joinable()) peer->receiver.join();
-    if (peer->sender.joinable()) peer->sender.join();
-    std::deque<Outgoing> dropped;
-    {
-      std::lock_guard lock(peer->mu);
-      dropped.swap(peer->queue);
-    }
-    for (auto& out : dropped) Finish(out, Cancelled("the channel stopped"));
   }
 }
 

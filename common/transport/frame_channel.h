@@ -9,32 +9,41 @@
 // receiver, tag) are matched in order, and each peer's frames are sent by one
 // sender thread, so header i always pairs with payload i.
 //
-// Threads: for every peer, one receiver thread (posts the header receive,
-// then the payload receive into a buffer the handler chooses, then calls the
-// handler) and one sender thread. Send posts a frame's two messages to the
-// transport from the caller's thread, in call order per peer (a hand-off to
-// another thread costs a context switch on a busy core); the sender thread
-// waits for their completions, in order, and runs the `done` callbacks.
-// Neither thread ever waits on the other side's application, so two
-// processes that send to each other at once cannot deadlock whatever the
-// transport's protocol (eager or rendezvous). Handlers run on the receiver thread of the frame's
-// peer and must not block for long: a reply that has to wait (a pull for a
-// step not yet applied) is sent later, from whichever thread completes it.
+// Threads: the channel runs on the transport's completions (transport.h:
+// SendAsync/RecvAsync), so a frame costs no hand-off between threads of its
+// own. For every peer one receive is posted at a time: the header, then, on
+// its completion, the payload into a buffer the handler chooses; on the
+// payload's completion the frame goes to the handler, and only once the
+// handler has returned is the next header received (frames of one peer are
+// handled one at a time, in order). A frame the handler marks with
+// runs_inline is handled right there on the transport's completion thread
+// (for handlers that never block: answering a pull, completing a waiting
+// request); every other frame goes to the peer's receiver thread, so a slow
+// handler (an optimizer update) holds up only its own peer's frames. Send
+// posts a frame's two messages from the caller's thread, in call order per
+// peer, and `done` runs on the completion thread once both are sent. Nothing
+// waits on the other side's application, so two processes that send to
+// each other at once cannot deadlock whatever the transport's protocol (eager
+// or rendezvous). A reply that has to wait (a pull for a step not yet
+// applied) is sent later, from whichever thread completes it.
 //
 // Failure: when an operation with a peer fails (the transport reports the
-// peer dead, or a payload of the wrong size), the channel calls
-// on_peer_failed once for that peer, fails that peer's queued sends with the
-// same status, and stops its threads. Stop() cancels everything.
+// peer dead, or a payload of the wrong size), the channel stops receiving
+// from it, refuses later sends to it with that status, and calls
+// on_peer_failed once, on the peer's receiver thread. Sends already posted
+// end as the transport ends them (failed with a dead peer). Stop() cancels
+// the receives and waits for the sends.
 //
-// Thread safety: Send may be called from any thread.
+// Thread safety: Send may be called from any thread, also from handlers and
+// `done` callbacks.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -63,26 +72,29 @@ class FrameChannel {
   // Called when a send completed or failed (after its payload is no longer
   // read).
   using SendDone = std::function<void(const Status&)>;
+  // Whether the frame with this header (its payload received) is handled on
+  // the transport's completion thread. Such handling must not block for
+  // long: it holds up every peer's messages.
+  using RunsInline = std::function<bool(const ps::Frame& header)>;
 
   struct Handler {
     PayloadBuffer payload_buffer;
     OnFrame on_frame;
     OnPeerFailed on_peer_failed;
+    RunsInline runs_inline;  // empty: every frame on the receiver thread
   };
 
   // Serves frames from and to `peers` (ranks of `transport`, not its own).
-  // `transport` must outlive the channel. `poll` bounds how long a thread
-  // waits before it checks for Stop. With `start` false the threads start
-  // only at Start(), so that the owner can publish the channel (which its
-  // handler uses to reply) before the first frame arrives.
-  FrameChannel(Transport* transport, std::vector<int> peers, Handler handler,
-               std::chrono::milliseconds poll = std::chrono::milliseconds(50), bool start = true);
+  // `transport` must outlive the channel. With `start` false frames are
+  // received only from Start(), so that the owner can publish the channel
+  // (which its handler uses to reply) before the first frame arrives.
+  FrameChannel(Transport* transport, std::vector<int> peers, Handler handler, bool start = true);
   ~FrameChannel();
   FrameChannel(const FrameChannel&) = delete;
   FrameChannel& operator=(const FrameChannel&) = delete;
 
   // Posts a frame to `peer` on the transport, from the calling thread (also
-  // before Start: only the waiting for its completion needs the threads).
+  // before Start).
   // header.payload_bytes must equal `bytes`. `payload` must stay valid until
   // `done` runs (or `keep` holds it: the channel releases `keep` after the
   // send). A peer that is not served, or
@@ -95,46 +107,60 @@ class FrameChannel {
   // Whether `peer` failed (and why).
   Status PeerStatus(int peer) const;
 
-  // Starts the threads (once; a channel built with start true has started).
+  // Starts receiving (once; a channel built with start true has started).
   void Start();
 
-  // Cancels receives and queued sends (with CANCELLED) and joins the threads.
-  // Idempotent; the handler is not called after it returns.
+  // Cancels the receives, waits for the sends posted (their `done` runs) and
+  // joins the threads. Idempotent; the handler is not called after it
+  // returns. Not from a handler or a `done` callback.
   void Stop();
 
  private:
-  // A frame posted to the transport, until its sends complete. The header
-  // is on the heap: the transport reads it until then, and the entry moves.
+  // A frame posted to the transport, until both its messages are sent.
   struct Outgoing {
-    std::unique_ptr<ps::Frame> header;
+    ps::Frame header;  // read by the transport until then
     std::unique_ptr<Request> head, body;
     SendDone done;
     std::shared_ptr<const void> keep;
+    std::atomic<int> left{0};  // messages not yet complete
+    std::mutex mu;
+    Status status TANDEM_GUARDED_BY(mu);  // the first failure
   };
   struct Peer {
     int rank = -1;
     std::mutex mu;
     std::condition_variable cv;
-    std::deque<Outgoing> queue TANDEM_GUARDED_BY(mu);
     Status failed TANDEM_GUARDED_BY(mu);
-    std::thread sender;
+    bool failure_pending TANDEM_GUARDED_BY(mu) = false;   // on_peer_failed is still to be called
+    bool frame_ready TANDEM_GUARDED_BY(mu) = false;       // a frame waits for the receiver thread
+    std::unique_ptr<Request> recv TANDEM_GUARDED_BY(mu);  // the header or payload receive in flight
+    std::map<uint64_t, std::shared_ptr<Outgoing>> sending TANDEM_GUARDED_BY(mu);
+    uint64_t next_send TANDEM_GUARDED_BY(mu) = 0;
+    // The frame being received: used by one step of the chain at a time
+    // (header completion, payload completion, handler), each starting only
+    // after the one before it ended.
+    ps::Frame header;
+    void* payload = nullptr;
+    std::vector<char> owned;
     std::thread receiver;
   };
 
   Peer* Find(int peer) const;
+  // Posts the receive of the peer's next header unless the channel stops or
+  // the peer failed; returns the request it replaces, to be destroyed
+  // outside the lock.
+  std::unique_ptr<Request> PostHeaderLocked(Peer* peer) TANDEM_REQUIRES(peer->mu);
+  void OnHeader(Peer* peer, const Status& status);
+  void OnPayload(Peer* peer, const Status& status);
+  // The frame is complete: handle it here or on the receiver thread.
+  void Deliver(Peer* peer);
+  void Received(Peer* peer, const Status& status);  // a receive that failed
+  void OnSent(Peer* peer, uint64_t id, Outgoing& out, const Status& status);
   void ReceiveLoop(Peer* peer);
-  void SendLoop(Peer* peer);
-  // Waits for `request` until it completes, the channel stops, or the peer
-  // fails.
-  Status WaitFor(Request& request, Peer* peer);
   void Fail(Peer* peer, const Status& status);
-  // Waits for (or cancels) its sends, then runs `done` with `status` and
-  // releases the payload: never before the transport is done reading it.
-  static void Finish(Outgoing& out, const Status& status);
 
   Transport* const transport_;
   const Handler handler_;
-  const std::chrono::milliseconds poll_;
   std::atomic<bool> stopping_{false};
   std::vector<std::unique_ptr<Peer>> peers_;
   std::mutex stop_mu_;

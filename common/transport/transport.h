@@ -14,6 +14,19 @@
 // - When a peer dies, every pending and later operation with it fails with
 //   UNAVAILABLE naming it.
 //
+// Operations come in two forms. Send/Recv return a Request to Wait on.
+// SendAsync/RecvAsync take a Completion instead, which the transport calls
+// once, with the operation's status, on its own completion thread (UCX: the
+// progress thread; LocalTransport: the fabric's delivery thread), never from
+// inside the posting call: a caller may post while holding its own locks.
+// That thread delivers every message, so a Completion must not block for
+// long; it may post further operations. Their Request is still returned:
+// destroying it before completion cancels the operation (a receive; a send
+// runs to completion or fails with its peer) and returns once the Completion
+// has run or never will; destroyed on the completion thread it does not wait.
+// Messages of one (sender, receiver, tag) are received either with Recv or
+// with RecvAsync, not with both.
+//
 // Thread safety: a Transport may be used from several threads; one Request
 // from one thread at a time.
 #pragma once
@@ -21,6 +34,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include "common/status.h"
@@ -37,6 +51,8 @@ class Request {
 
 class Transport {
  public:
+  using Completion = std::function<void(const Status&)>;
+
   virtual ~Transport() = default;
   virtual int rank() const = 0;
   virtual int size() const = 0;
@@ -45,6 +61,11 @@ class Transport {
   // completes.
   virtual std::unique_ptr<Request> Send(int peer, uint64_t tag, const void* data, size_t bytes) = 0;
   virtual std::unique_ptr<Request> Recv(int peer, uint64_t tag, void* data, size_t bytes) = 0;
+  // As Send and Recv, with `done` called on the completion thread (above).
+  // The Request may be waited on as well.
+  virtual std::unique_ptr<Request> SendAsync(int peer, uint64_t tag, const void* data, size_t bytes,
+                                             Completion done) = 0;
+  virtual std::unique_ptr<Request> RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) = 0;
 };
 
 // A request that is already complete, with `status`.

@@ -76,6 +76,9 @@ constexpr milliseconds kMaxWait = std::chrono::hours(24 * 365);
 // Set on the progress thread while it tears UCX down: UCX's warnings about
 // requests still held for dead peers are expected then.
 thread_local bool t_quiet_ucx_warnings = false;
+// Set on the progress thread: completions run there, and a Request dropped
+// there must not wait for it.
+thread_local bool t_progress_thread = false;
 
 __attribute__((format(printf, 6, 0))) ucs_log_func_rc_t LogToSpdlog(const char* file, unsigned line,
                                                                     const char* /*function*/, ucs_log_level_t level,
@@ -546,9 +549,12 @@ struct Op : std::enable_shared_from_this<Op> {
   void* const data;
   const size_t bytes;
   std::condition_variable cv;
+  Transport::Completion callback;  // moved out by Finish, which runs it
+  Status refused;                  // set at Submit: Start finishes the op with it
 
   // Guarded by Core::mu_.
   bool done = false;
+  bool in_callback = false;  // done, and its callback is running
   Status status;
   bool dropped = false;  // its Request was destroyed while in flight
 
@@ -620,7 +626,10 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   int Rank() const { return rank_.load(); }
   int Size() const { return size_.load(); }
 
-  std::unique_ptr<Request> Submit(Op::Kind kind, int peer, uint64_t tag, bool internal, void* data, size_t bytes);
+  // `done`, when set, is called on the progress thread when the operation
+  // ends (transport.h); an operation refused at once is refused there too.
+  std::unique_ptr<Request> Submit(Op::Kind kind, int peer, uint64_t tag, bool internal, void* data, size_t bytes,
+                                  Transport::Completion done = nullptr);
   Status Wait(Op& op, milliseconds timeout);
   void Drop(const std::shared_ptr<Op>& op);
 
@@ -876,6 +885,7 @@ Status UcxTransport::Core::Init() {
 void UcxTransport::Core::Start() {
   thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "tandem-ucx");
+    t_progress_thread = true;
     Run();
   });
 }
@@ -1163,33 +1173,44 @@ std::vector<std::string> UcxTransport::Core::PathSummary() const {
 // Operations: caller side.
 
 std::unique_ptr<Request> UcxTransport::Core::Submit(Op::Kind kind, int peer, uint64_t tag, bool internal, void* data,
-                                                    size_t bytes) {
+                                                    size_t bytes, Transport::Completion done) {
   const char* what = kind == Op::Kind::kSend ? "send" : "receive";
   const int self = rank_.load();
   const int n = size_.load();
   auto op = std::make_shared<Op>(kind, peer, tag, internal, data, bytes);
+  op->callback = std::move(done);
+  Status refused;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!connected_) return Completed(FailedPrecondition("ucx: {} before Connect", what));
-    if (peer < 0 || peer >= n || peer == self) {
-      return Completed(InvalidArgument("ucx: rank {} cannot {} rank {} (the group has ranks 0 to {})", self,
-                                       kind == Op::Kind::kSend ? "send to" : "receive from", peer, n - 1));
-    }
-    if (!internal && !TagFits(tag)) {
-      return Completed(InvalidArgument(
+    if (!connected_) {
+      refused = FailedPrecondition("ucx: {} before Connect", what);
+    } else if (peer < 0 || peer >= n || peer == self) {
+      refused = InvalidArgument("ucx: rank {} cannot {} rank {} (the group has ranks 0 to {})", self,
+                                kind == Op::Kind::kSend ? "send to" : "receive from", peer, n - 1);
+    } else if (!internal && !TagFits(tag)) {
+      refused = InvalidArgument(
           "ucx: tag {:#x} does not fit: a UCX tag may use bit 63 and bits 0 to {} (at most {:#x} without bit 63)", tag,
-          kUserTagBits - 1, kMaxUserTag));
+          kUserTagBits - 1, kMaxUserTag);
+    } else if (bytes > 0 && data == nullptr) {
+      refused = InvalidArgument("ucx: {} of {} bytes with a null buffer", what, bytes);
+    } else if (stopping_.load()) {
+      refused = Cancelled("ucx: the transport of rank {} is closing", self);
+    } else if (const Peer& p = *peers_[static_cast<size_t>(peer)]; p.dead && kind == Op::Kind::kSend) {
+      refused = GoneStatus(*op, p.reason);
     }
-    if (bytes > 0 && data == nullptr) {
-      return Completed(InvalidArgument("ucx: {} of {} bytes with a null buffer", what, bytes));
+    if (refused.ok() || (op->callback && !stopping_.load())) {
+      // A refused operation with a completion is finished by the progress
+      // thread, so the completion never runs inside this call.
+      op->refused = refused;
+      posted_.push_back(op);
+      WakeLocked();
+      return std::make_unique<UcxRequest>(shared_from_this(), std::move(op));
     }
-    if (stopping_.load()) return Completed(Cancelled("ucx: the transport of rank {} is closing", self));
-    const Peer& p = *peers_[static_cast<size_t>(peer)];
-    if (p.dead && kind == Op::Kind::kSend) return Completed(GoneStatus(*op, p.reason));
-    posted_.push_back(op);
-    WakeLocked();
   }
-  return std::make_unique<UcxRequest>(shared_from_this(), std::move(op));
+  // A closing transport (its destructor runs: nothing may post now) has no
+  // progress thread to run a completion on; it runs here.
+  if (op->callback) op->callback(refused);
+  return Completed(std::move(refused));
 }
 
 Status UcxTransport::Core::Wait(Op& op, milliseconds timeout) {
@@ -1203,12 +1224,19 @@ Status UcxTransport::Core::Wait(Op& op, milliseconds timeout) {
 
 void UcxTransport::Core::Drop(const std::shared_ptr<Op>& op) {
   std::unique_lock<std::mutex> lock(mu_);
-  if (op->done) return;
+  // On the progress thread nothing is waited for: the completion that runs
+  // there (perhaps the caller itself) runs later or is running now.
+  if (op->done) {
+    if (!t_progress_thread) op->cv.wait(lock, [&] { return !op->in_callback; });
+    return;
+  }
   op->dropped = true;
   cancels_.push_back(op);
   WakeLocked();
-  const bool network_send = op->kind == Op::Kind::kSend && !peers_[static_cast<size_t>(op->peer)]->shm;
-  while (!op->cv.wait_for(lock, options_.abandon_timeout, [&] { return op->done; })) {
+  if (t_progress_thread) return;
+  const bool network_send =
+      op->kind == Op::Kind::kSend && op->refused.ok() && !peers_[static_cast<size_t>(op->peer)]->shm;
+  while (!op->cv.wait_for(lock, options_.abandon_timeout, [&] { return op->done && !op->in_callback; })) {
     if (network_send) {
       const std::string reason =
           fmt::format("it did not take a dropped {} within {} ms, so rank {} closed the connection", Describe(*op),
@@ -1226,6 +1254,10 @@ void UcxTransport::Core::Drop(const std::shared_ptr<Op>& op) {
 // Operations: progress thread.
 
 void UcxTransport::Core::Start(const std::shared_ptr<Op>& op) {
+  if (!op->refused.ok()) {  // its peer may not exist
+    Finish(*op, op->refused);
+    return;
+  }
   Peer& p = *peers_[static_cast<size_t>(op->peer)];
   bool dead = false;
   bool dropped = false;
@@ -1234,14 +1266,10 @@ void UcxTransport::Core::Start(const std::shared_ptr<Op>& op) {
     std::lock_guard<std::mutex> lock(mu_);
     dead = p.dead;
     reason = p.reason;
-    if (op->dropped && !op->done) {  // dropped before it was posted
-      op->done = true;
-      op->status = Cancelled("ucx: the {} with rank {} was dropped before it started", Describe(*op), op->peer);
-      dropped = true;
-    }
+    dropped = op->dropped && !op->done;  // dropped before it was posted
   }
   if (dropped) {
-    op->cv.notify_all();  // after unlocking (see Finish); `op` holds it
+    Finish(*op, Cancelled("ucx: the {} with rank {} was dropped before it started", Describe(*op), op->peer));
     return;
   }
   if (op->kind == Op::Kind::kSend && (dead || p.ep == nullptr)) {
@@ -1335,14 +1363,26 @@ void UcxTransport::Core::Finish(Op& op, Status status) {
   // switches more per operation, on every hand-off of the data path). The
   // reference keeps the op, and so its cv, alive until the notification,
   // even if the waiter returns and drops its request at once.
+  // A completion runs after the op is done (so Wait returns) but before a
+  // thread dropping its Request returns (in_callback).
   const std::shared_ptr<Op> keep = op.shared_from_this();
+  Transport::Completion callback;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (op.done) return;
     op.done = true;
-    op.status = std::move(status);
+    op.status = status;
+    callback = std::move(op.callback);
+    op.in_callback = static_cast<bool>(callback);
+  }
+  if (callback) {
+    callback(status);
+    std::lock_guard<std::mutex> lock(mu_);
+    op.in_callback = false;
   }
   op.cv.notify_all();
+  // `callback` (and what it holds) is released here, after the op is
+  // complete: what it releases may drop Requests, which then return at once.
 }
 
 Status UcxTransport::Core::GoneStatus(const Op& op, const std::string& reason) const {
@@ -1651,6 +1691,15 @@ std::unique_ptr<Request> UcxTransport::Send(int peer, uint64_t tag, const void* 
 
 std::unique_ptr<Request> UcxTransport::Recv(int peer, uint64_t tag, void* data, size_t bytes) {
   return core_->Submit(Op::Kind::kRecv, peer, tag, false, data, bytes);
+}
+
+std::unique_ptr<Request> UcxTransport::SendAsync(int peer, uint64_t tag, const void* data, size_t bytes,
+                                                 Completion done) {
+  return core_->Submit(Op::Kind::kSend, peer, tag, false, const_cast<void*>(data), bytes, std::move(done));
+}
+
+std::unique_ptr<Request> UcxTransport::RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) {
+  return core_->Submit(Op::Kind::kRecv, peer, tag, false, data, bytes, std::move(done));
 }
 
 }  // namespace tandem::transport

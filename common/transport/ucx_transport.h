@@ -225,6 +225,9 @@ class UcxTransport final : public Transport {
   // or a bad peer: INVALID_ARGUMENT.
   std::unique_ptr<Request> Send(int peer, uint64_t tag, const void* data, size_t bytes) override;
   std::unique_ptr<Request> Recv(int peer, uint64_t tag, void* data, size_t bytes) override;
+  // Completions run on the progress thread.
+  std::unique_ptr<Request> SendAsync(int peer, uint64_t tag, const void* data, size_t bytes, Completion done) override;
+  std::unique_ptr<Request> RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) override;
 
   class Core;  // implementation detail (ucx_transport.cc)
 

@@ -163,8 +163,11 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
+  // Replies only complete the request waiting for them: handled where they
+  // arrive, so the thread waiting for one is the only one woken.
+  handler.runs_inline = [](const ps::Frame&) { return true; };
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), servers, std::move(handler),
-                                                             std::chrono::milliseconds(50), /*start=*/false);
+                                                             /*start=*/false);
   {
     std::lock_guard lock(mu_);
     // The epoch is adopted once its group is ready, so a caller that saw it
