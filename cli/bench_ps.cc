@@ -255,12 +255,15 @@ transport::FrameChannel* WaitChannel(ServerEpoch& e) {
 }
 
 // Dispatches a frame to the store as PsNode::OnFrame does.
+server::Reply ServerReply(ServerEpoch& e, int rank) {
+  transport::FrameChannel* ch = WaitChannel(e);
+  return
+      [ch, rank](ps::Frame header, server::ReplyBody body) { server::SendReply(*ch, rank, header, std::move(body)); };
+}
+
 void OnServerFrame(ServerEpoch& e, int rank, const ps::Frame& h, void* payload) {
   const uint64_t from = e.group.members[static_cast<size_t>(rank)];
-  transport::FrameChannel* ch = WaitChannel(e);
-  auto reply = [ch, rank](ps::Frame header, server::ReplyBody body) {
-    server::SendReply(*ch, rank, header, std::move(body));
-  };
+  server::Reply reply = ServerReply(e, rank);
   switch (h.type) {
     case ps::FrameType::kPush:
       return e.landing->Push(rank, from, h, payload, reply);
@@ -324,7 +327,10 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // The worker closes its group when it is done with a size, just before it
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
-  handler.runs_inline = server::HandledInline;
+  handler.try_inline = [&e](int rank, const ps::Frame& h, void*, std::vector<char>&) {
+    server::Reply reply = ServerReply(e, rank);
+    return server::TryHandleInline(*e.store, e.group.members[static_cast<size_t>(rank)], h, reply);
+  };
   e.owned_channel =
       std::make_unique<transport::FrameChannel>(e.group.transport.get(), std::vector<int>{worker}, std::move(handler));
   e.channel.store(e.owned_channel.get());

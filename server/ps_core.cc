@@ -1486,11 +1486,20 @@ void ParameterStore::ServePullsLocked(Part& part, Actions& actions) {
 }
 
 void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
-  counters_.pulls.fetch_add(1);
+  PullImpl(from, h, reply, /*try_only=*/false);
+}
+
+bool ParameterStore::TryPull(uint64_t from, const ps::Frame& h, Reply& reply) {
+  return PullImpl(from, h, reply, /*try_only=*/true);
+}
+
+bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, bool try_only) {
   auto refuse = [&](const Status& status) {
+    counters_.pulls.fetch_add(1);
     std::vector<char> body;
     ps::Frame r = Refusal(h, status, &body);
     reply(r, std::move(body));
+    return true;
   };
   auto checked = CheckDataFrame(h, /*primary=*/true);
   if (!checked.ok()) return refuse(checked.status());
@@ -1507,7 +1516,13 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
   std::shared_ptr<Part> part = *checked;
   Actions actions;
   {
-    std::lock_guard plock(part->mu);
+    std::unique_lock plock(part->mu, std::defer_lock);
+    if (!try_only) {
+      plock.lock();
+    } else if (!plock.try_lock()) {
+      return false;
+    }
+    counters_.pulls.fetch_add(1);
     PendingPull pull{from, h, 0, std::move(reply)};
     bool refused = false;
     if (sync) {
@@ -1535,6 +1550,7 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
     }
   }
   Run(actions);
+  return true;
 }
 
 void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {

@@ -220,6 +220,11 @@ class ParameterStore {
   // A push whose payload was received into `buffer` (from PushBuffer).
   void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
   void Pull(uint64_t from, const ps::Frame& header, Reply reply);
+  // Pull without waiting for the partition's lock: returns false, having
+  // done nothing (`reply` is left as it was), when the partition is locked
+  // (an update or a push is being applied to it). For a thread that must
+  // not block (the transport's completion thread).
+  bool TryPull(uint64_t from, const ps::Frame& header, Reply& reply);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
   void Transfer(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -332,6 +337,7 @@ class ParameterStore {
   std::vector<Segment> SegmentsFor(uint64_t begin, uint64_t end) const TANDEM_REQUIRES(mu_);
   Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary) const;
   // `buffer`, when set, holds `payload` (PushBuffer) and may be kept.
+  bool PullImpl(uint64_t from, const ps::Frame& header, Reply& reply, bool try_only);
   void PushImpl(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>> buffer,
                 Reply reply);
   // Folds the next contribution in order (taking `buffer` over as the
@@ -419,14 +425,13 @@ class ParameterStore {
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
 };
 
-// Whether a server handles this frame on its transport's completion thread
-// (FrameChannel::Handler::runs_inline): pulls, which are answered at once or
-// queued for their step, and wait for nothing but the store's and a
-// partition's locks.
-// Everything else (pushes, which may run the optimizer; replication) is
-// handled on the frame's peer's receiver thread.
-inline bool HandledInline(const ps::Frame& header) {
-  return header.type == ps::FrameType::kPull;
+// What a server handles on its transport's completion thread
+// (FrameChannel::Handler::try_inline): a pull whose partition is not locked
+// (answered at once, or queued for its step). Everything else (pushes,
+// which may run the optimizer; replication; a pull that would wait for an
+// update) goes to the frame's peer's receiver thread.
+inline bool TryHandleInline(ParameterStore& store, uint64_t from, const ps::Frame& header, Reply& reply) {
+  return header.type == ps::FrameType::kPull && store.TryPull(from, header, reply);
 }
 
 // Lands pushes in store buffers for a frame channel (FrameChannel::Handler):

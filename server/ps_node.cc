@@ -532,7 +532,10 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
-  handler.runs_inline = HandledInline;
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void*, std::vector<char>&) {
+    auto g = weak.lock();
+    return !g || TryInline(g, rank, h);  // a frame of a group that is gone is dropped, as on_frame does
+  };
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
                                                              /*start=*/false);
   {
@@ -552,13 +555,22 @@ void SendReply(transport::FrameChannel& channel, int rank, const ps::Frame& head
   channel.Send(rank, header, body.borrowed, body.borrowed_bytes, nullptr, std::move(body.keep));
 }
 
+Reply PsNode::Replier(const std::shared_ptr<Group>& group, int rank) {
+  return [g = std::weak_ptr<Group>(group), rank](ps::Frame header, ReplyBody body) {
+    if (auto live = g.lock()) SendReply(*live->channel, rank, header, std::move(body));
+  };
+}
+
+bool PsNode::TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h) {
+  Reply reply = Replier(group, rank);
+  return TryHandleInline(*store_, group->group.members[static_cast<size_t>(rank)], h, reply);
+}
+
 void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,
                      std::vector<char>& owned) {
   (void)owned;
   const uint64_t from = group->group.members[static_cast<size_t>(rank)];
-  auto reply = [g = std::weak_ptr<Group>(group), rank](ps::Frame header, ReplyBody body) {
-    if (auto live = g.lock()) SendReply(*live->channel, rank, header, std::move(body));
-  };
+  Reply reply = Replier(group, rank);
   switch (h.type) {
     case ps::FrameType::kPush:
       return group->landing->Push(rank, from, h, payload, reply);

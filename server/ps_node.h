@@ -82,6 +82,10 @@ class PsNode final : public ServerLinks {
   };
 
   Status OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session);
+  // Sends a reply to `rank` over the group's channel, while the group lives.
+  static Reply Replier(const std::shared_ptr<Group>& group, int rank);
+  // FrameChannel::Handler::try_inline (TryHandleInline).
+  bool TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header);
   void OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, void* payload,
                std::vector<char>& owned);
   void OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const Status& status);

@@ -135,10 +135,39 @@ TEST(LocalTransportTest, CompletionsRunOnTheDeliveryThread) {
   testing::CheckAsyncCompletions(t0.get(), t1.get(), [&] { fabric->Kill(0); });
 }
 
-// Pulls are handled where they arrive (runs_inline), pushes on the peer's
-// receiver thread, some of them slowly: each peer's frames are still handled
+// Most pulls are handled where they arrive (try_inline), pushes and the
+// other pulls on the peer's receiver thread, some of them slowly: each peer's frames are still handled
 // one at a time and in the order sent, and both threads are used. Then Stop
 // while frames flow: every send's `done` runs, and no handler after Stop.
+// Stop returns only once every send's `done` has returned, also the `done`
+// of a send that failed (its owner may be gone right after Stop).
+TEST(FrameChannelTest, StopWaitsForTheDoneOfAFailedSend) {
+  auto fabric = transport::LocalFabric::Create(2);
+  auto t0 = fabric->Connect(0);
+  auto t1 = fabric->Connect(1);
+  FrameChannel::Handler h;
+  h.on_frame = [](int, const ps::Frame&, void*, std::vector<char>&) {};
+  FrameChannel channel(t1.get(), std::vector<int>{0}, h, /*start=*/false);
+  fabric->Kill(0);
+  std::atomic<bool> entered{false}, finished{false};
+  Status status;
+  channel.Send(0, ps::Frame{}, std::vector<char>(16), [&](const Status& s) {
+    status = s;
+    entered.store(true);
+    std::this_thread::sleep_for(milliseconds(100));
+    finished.store(true);
+  });
+  const auto deadline = std::chrono::steady_clock::now() + milliseconds(5000);
+  while (!entered.load() && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_TRUE(entered.load());
+  channel.Stop();
+  EXPECT_TRUE(finished.load());
+  EXPECT_EQ(status.code(), StatusCode::kUnavailable) << status.ToString();
+  EXPECT_EQ(channel.PeerStatus(0).code(), StatusCode::kUnavailable);  // the failed send failed the peer
+}
+
+thread_local bool t_inline = false;  // on_frame called from try_inline
+
 TEST(FrameChannelTest, InlineAndThreadedFramesKeepEachPeersOrder) {
   auto fabric = transport::LocalFabric::Create(3);
   auto t0 = fabric->Connect(0);
@@ -152,7 +181,6 @@ TEST(FrameChannelTest, InlineAndThreadedFramesKeepEachPeersOrder) {
   std::atomic<bool> stopped{false};
   std::atomic<int> after_stop{0};
   FrameChannel::Handler sh;
-  sh.runs_inline = [](const ps::Frame& h) { return h.type == ps::FrameType::kPull; };
   sh.on_frame = [&](int peer, const ps::Frame& h, void* payload, std::vector<char>&) {
     if (stopped.load()) after_stop.fetch_add(1);
     if (in_handler[peer].fetch_add(1) > 0) overlapped.fetch_add(1);  // one frame of a peer at a time
@@ -162,10 +190,19 @@ TEST(FrameChannelTest, InlineAndThreadedFramesKeepEachPeersOrder) {
     {
       std::lock_guard lock(mu);
       handled[peer].push_back(h.request_id);
-      (h.type == ps::FrameType::kPull ? inline_threads : receiver_threads).insert(std::this_thread::get_id());
+      (t_inline ? inline_threads : receiver_threads).insert(std::this_thread::get_id());
     }
     if (h.type == ps::FrameType::kPush && h.request_id % 7 == 0) std::this_thread::sleep_for(milliseconds(1));
     in_handler[peer].fetch_sub(1);
+  };
+  // Every third pull declines (as a server's does when its partition is
+  // being updated) and goes to the receiver thread like a push.
+  sh.try_inline = [&](int peer, const ps::Frame& h, void* payload, std::vector<char>& owned) {
+    if (h.type != ps::FrameType::kPull || h.request_id % 3 == 1) return false;
+    t_inline = true;
+    sh.on_frame(peer, h, payload, owned);
+    t_inline = false;
+    return true;
   };
   FrameChannel server(t0.get(), std::vector<int>{1, 2}, sh);
   FrameChannel::Handler ch;

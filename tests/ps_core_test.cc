@@ -233,16 +233,21 @@ std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t ste
   return a;
 }
 
-std::shared_ptr<Answer> Pull(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
-                             uint32_t contributor = 0, uint32_t contributors = 0) {
+ps::Frame PullHeader(uint64_t epoch, uint64_t step, uint32_t partition) {
   ps::Frame h;
   h.type = ps::FrameType::kPull;
   h.epoch = epoch;
   h.step = step;
   h.partition = partition;
+  h.dtype = v1::WIRE_DTYPE_FP32;
+  return h;
+}
+
+std::shared_ptr<Answer> Pull(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
+                             uint32_t contributor = 0, uint32_t contributors = 0) {
+  ps::Frame h = PullHeader(epoch, step, partition);
   h.contributor = contributor;
   h.contributors = contributors;
-  h.dtype = v1::WIRE_DTYPE_FP32;
   auto a = std::make_shared<Answer>();
   store.Pull(1, h, Into(a));
   return a;
@@ -387,12 +392,7 @@ TEST_F(PsCoreTest, APullReplyStillBeingSentKeepsItsStepWhileTheNextUpdateApplies
   Start(1, job);
   RunStep(1, 2);
   auto [b, e] = Range(0);
-  ps::Frame h;
-  h.type = ps::FrameType::kPull;
-  h.epoch = 1;
-  h.step = 1;
-  h.partition = 0;
-  h.dtype = v1::WIRE_DTYPE_FP32;
+  ps::Frame h = PullHeader(1, 1, 0);
   std::vector<ReplyBody> held;  // replies "in flight"
   for (int i = 0; i < 2; ++i) {
     PrimaryOf(0).Pull(1, h, [&held](ps::Frame r, ReplyBody body) {
@@ -423,6 +423,29 @@ TEST_F(PsCoreTest, APullReplyStillBeingSentKeepsItsStepWhileTheNextUpdateApplies
   cluster_.nodes.clear();
   EXPECT_EQ(std::memcmp(held[0].data(), step1.data(), step1.size()), 0);
   EXPECT_EQ(std::memcmp(held[1].data(), params.data(), step1.size()), 0);
+}
+
+// TryPull (a server's pulls on its transport's completion thread) answers
+// as Pull does when the partition is free, refusals included. (It declines
+// while an update holds the partition, which a test cannot hold still.)
+TEST_F(PsCoreTest, TryPullAnswersAsPullDoes) {
+  Job job;
+  Start(1, job);
+  RunStep(1, 2);
+  ps::Frame h = PullHeader(1, 1, 0);
+  auto tried = std::make_shared<Answer>();
+  Reply reply = Into(tried);
+  ASSERT_TRUE(PrimaryOf(0).TryPull(1, h, reply));
+  auto pulled = Pull(PrimaryOf(0), 1, 1, 0);
+  ASSERT_TRUE(tried->done && pulled->done);
+  EXPECT_EQ(tried->header.status, 0);
+  EXPECT_EQ(tried->payload, pulled->payload);
+  h.partition = 999;
+  auto refused = std::make_shared<Answer>();
+  reply = Into(refused);
+  ASSERT_TRUE(PrimaryOf(0).TryPull(1, h, reply));
+  ASSERT_TRUE(refused->done);
+  EXPECT_EQ(refused->status().code(), StatusCode::kNotFound) << refused->status().ToString();
 }
 
 // Pushes received straight into store buffers (PushLanding, as the server's

@@ -130,15 +130,15 @@ void FrameChannel::OnSent(Peer* peer, uint64_t id, Outgoing& out, const Status& 
     if (out.left.fetch_sub(1) != 1) return;
     result = out.status;
   }
-  {
-    std::lock_guard lock(peer->mu);
-    peer->sending.erase(id);
-  }
   // Both messages are sent (or failed): the payload is no longer read.
   if (out.done) out.done(result);
   out.done = nullptr;
   out.keep.reset();
   if (!result.ok() && result.code() != StatusCode::kCancelled) Fail(peer, result);
+  // Only now: Stop waits for the frames it finds here, and so for this
+  // completion, `done` included.
+  std::lock_guard lock(peer->mu);
+  peer->sending.erase(id);
 }
 
 std::unique_ptr<Request> FrameChannel::PostHeaderLocked(Peer* peer) {
@@ -187,8 +187,7 @@ void FrameChannel::OnPayload(Peer* peer, const Status& status) {
 }
 
 void FrameChannel::Deliver(Peer* peer) {
-  if (handler_.runs_inline && handler_.runs_inline(peer->header)) {
-    handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
+  if (handler_.try_inline && handler_.try_inline(peer->rank, peer->header, peer->payload, peer->owned)) {
     std::unique_ptr<Request> old;
     std::lock_guard lock(peer->mu);
     old = PostHeaderLocked(peer);

@@ -6,8 +6,9 @@
 // followed, when header.payload_bytes > 0, by one payload message. Because the
 // transport needs the receive size up front, the header goes first under one
 // tag and the payload second under another; messages of one (sender,
-// receiver, tag) are matched in order, and each peer's frames are sent by one
-// sender thread, so header i always pairs with payload i.
+// receiver, tag) are matched in order, and each peer's two messages are
+// posted together under that peer's lock, so header i always pairs with
+// payload i.
 //
 // Threads: the channel runs on the transport's completions (transport.h:
 // SendAsync/RecvAsync), so a frame costs no hand-off between threads of its
@@ -15,11 +16,12 @@
 // its completion, the payload into a buffer the handler chooses; on the
 // payload's completion the frame goes to the handler, and only once the
 // handler has returned is the next header received (frames of one peer are
-// handled one at a time, in order). A frame the handler marks with
-// runs_inline is handled right there on the transport's completion thread
-// (for handlers that never block: answering a pull, completing a waiting
-// request); every other frame goes to the peer's receiver thread, so a slow
-// handler (an optimizer update) holds up only its own peer's frames. Send
+// handled one at a time, in order). The handler's try_inline may handle a
+// frame right there on the transport's completion thread, when it can
+// without blocking (answering a pull whose partition is not being updated,
+// completing a waiting request); every other frame goes to the peer's
+// receiver thread, so a slow handler (an optimizer update) holds up only its
+// own peer's frames. Send
 // posts a frame's two messages from the caller's thread, in call order per
 // peer, and `done` runs on the completion thread once both are sent. Nothing
 // waits on the other side's application, so two processes that send to
@@ -72,16 +74,18 @@ class FrameChannel {
   // Called when a send completed or failed (after its payload is no longer
   // read).
   using SendDone = std::function<void(const Status&)>;
-  // Whether the frame with this header (its payload received) is handled on
-  // the transport's completion thread. Such handling must not block for
-  // long: it holds up every peer's messages.
-  using RunsInline = std::function<bool(const ps::Frame& header)>;
+  // Called first with every frame received, on the transport's completion
+  // thread: handles it there and returns true, or returns false without
+  // having done anything, and the frame goes to on_frame on the peer's
+  // receiver thread. It must not block: the completion thread carries every
+  // peer's messages.
+  using TryInline = std::function<bool(int peer, const ps::Frame& header, void* payload, std::vector<char>& owned)>;
 
   struct Handler {
     PayloadBuffer payload_buffer;
     OnFrame on_frame;
     OnPeerFailed on_peer_failed;
-    RunsInline runs_inline;  // empty: every frame on the receiver thread
+    TryInline try_inline;  // empty: every frame on the receiver thread
   };
 
   // Serves frames from and to `peers` (ranks of `transport`, not its own).
@@ -110,8 +114,8 @@ class FrameChannel {
   // Starts receiving (once; a channel built with start true has started).
   void Start();
 
-  // Cancels the receives, waits for the sends posted (their `done` runs) and
-  // joins the threads. Idempotent; the handler is not called after it
+  // Cancels the receives, waits for the sends posted and their `done`
+  // callbacks, and joins the threads. Idempotent; the handler is not called after it
   // returns. Not from a handler or a `done` callback.
   void Stop();
 

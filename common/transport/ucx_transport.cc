@@ -76,9 +76,9 @@ constexpr milliseconds kMaxWait = std::chrono::hours(24 * 365);
 // Set on the progress thread while it tears UCX down: UCX's warnings about
 // requests still held for dead peers are expected then.
 thread_local bool t_quiet_ucx_warnings = false;
-// Set on the progress thread: completions run there, and a Request dropped
-// there must not wait for it.
-thread_local bool t_progress_thread = false;
+// The transport whose progress thread this is: completions run there, and
+// a Request of that transport dropped there must not wait for them.
+thread_local const void* t_progress_core = nullptr;
 
 __attribute__((format(printf, 6, 0))) ucs_log_func_rc_t LogToSpdlog(const char* file, unsigned line,
                                                                     const char* /*function*/, ucs_log_level_t level,
@@ -885,7 +885,7 @@ Status UcxTransport::Core::Init() {
 void UcxTransport::Core::Start() {
   thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "tandem-ucx");
-    t_progress_thread = true;
+    t_progress_core = this;
     Run();
   });
 }
@@ -1207,10 +1207,13 @@ std::unique_ptr<Request> UcxTransport::Core::Submit(Op::Kind kind, int peer, uin
       return std::make_unique<UcxRequest>(shared_from_this(), std::move(op));
     }
   }
-  // A closing transport (its destructor runs: nothing may post now) has no
-  // progress thread to run a completion on; it runs here.
-  if (op->callback) op->callback(refused);
-  return Completed(std::move(refused));
+  if (!op->callback) return Completed(std::move(refused));
+  // A closing transport (its destructor runs: nothing should post now) may
+  // have no progress thread left to run the completion on. It runs on a
+  // thread of its own, never inside this call (the caller may hold locks the
+  // completion takes); dropping the request waits for it, as ever.
+  std::thread([core = shared_from_this(), op, refused] { core->Finish(*op, refused); }).detach();
+  return std::make_unique<UcxRequest>(shared_from_this(), std::move(op));
 }
 
 Status UcxTransport::Core::Wait(Op& op, milliseconds timeout) {
@@ -1227,17 +1230,20 @@ void UcxTransport::Core::Drop(const std::shared_ptr<Op>& op) {
   // On the progress thread nothing is waited for: the completion that runs
   // there (perhaps the caller itself) runs later or is running now.
   if (op->done) {
-    if (!t_progress_thread) op->cv.wait(lock, [&] { return !op->in_callback; });
+    if (t_progress_core != this) op->cv.wait(lock, [&] { return !op->in_callback; });
     return;
   }
   op->dropped = true;
   cancels_.push_back(op);
   WakeLocked();
-  if (t_progress_thread) return;
+  if (t_progress_core == this) return;
   const bool network_send =
       op->kind == Op::Kind::kSend && op->refused.ok() && !peers_[static_cast<size_t>(op->peer)]->shm;
   while (!op->cv.wait_for(lock, options_.abandon_timeout, [&] { return op->done && !op->in_callback; })) {
-    if (network_send) {
+    if (op->done) {
+      spdlog::warn("ucx: rank {} is still waiting for the completion of a dropped {} with rank {} to return",
+                   rank_.load(), Describe(*op), op->peer);
+    } else if (network_send) {
       const std::string reason =
           fmt::format("it did not take a dropped {} within {} ms, so rank {} closed the connection", Describe(*op),
                       options_.abandon_timeout.count(), rank_.load());

@@ -163,9 +163,13 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
-  // Replies only complete the request waiting for them: handled where they
-  // arrive, so the thread waiting for one is the only one woken.
-  handler.runs_inline = [](const ps::Frame&) { return true; };
+  // Replies only complete the request waiting for them (and call
+  // on_answered): handled where they arrive, on the transport's completion
+  // thread, so the thread waiting for one is the only one woken.
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>&) {
+    if (auto g = weak.lock()) OnFrame(g, rank, h, payload);
+    return true;
+  };
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), servers, std::move(handler),
                                                              /*start=*/false);
   {

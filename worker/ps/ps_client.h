@@ -56,7 +56,8 @@ struct PsClientOptions {
   // ServerRank in common/member_session.h), the payload bytes (the gradient
   // pushed, the parameters pulled) and the seconds from sending the request
   // to its answer (for a pull, waiting for the step to be applied included).
-  // Runs on the client's receiving thread.
+  // Runs on the transport's completion thread (UCX's progress thread): it
+  // must not block.
   std::function<void(bool pull, uint32_t server, uint64_t bytes, double seconds)> on_answered;
 };
 
