@@ -328,6 +328,7 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
   handler.try_inline = [&e](int rank, const ps::Frame& h, void*, std::vector<char>&) {
+    if (h.type != ps::FrameType::kPull) return false;
     server::Reply reply = ServerReply(e, rank);
     return server::TryHandleInline(*e.store, e.group.members[static_cast<size_t>(rank)], h, reply);
   };

@@ -857,8 +857,18 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
 // Data plane
 // ---------------------------------------------------------------------------
 
-Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(const ps::Frame& h, bool primary) const {
-  std::lock_guard lock(mu_);
+Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(const ps::Frame& h, bool primary,
+                                                                             bool* busy) const {
+  const auto declined = [busy] {
+    *busy = true;
+    return Unavailable("the partition is busy");
+  };
+  std::unique_lock lock(mu_, std::defer_lock);
+  if (busy == nullptr) {
+    lock.lock();
+  } else if (!lock.try_lock()) {
+    return declined();
+  }
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server (InitializeParameters)");
   if (h.epoch < epoch_) {
     return FailedPrecondition("epoch {} is stale: this server is at epoch {}; rebuild with the current shard map",
@@ -874,7 +884,12 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
     return FailedPrecondition("partition {} is not held by this server (member {}) in epoch {}", h.partition,
                               member_id_, epoch_);
   }
-  std::lock_guard plock(it->second->mu);
+  std::unique_lock plock(it->second->mu, std::defer_lock);
+  if (busy == nullptr) {
+    plock.lock();
+  } else if (!plock.try_lock()) {
+    return declined();
+  }
   const Part& part = *it->second;
   if (primary && part.role != v1::REPLICA_ROLE_PRIMARY) {
     return FailedPrecondition("this server (member {}) is not the primary of partition {} in epoch {} (member {} is)",
@@ -1501,7 +1516,9 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
     reply(r, std::move(body));
     return true;
   };
-  auto checked = CheckDataFrame(h, /*primary=*/true);
+  bool busy = false;
+  auto checked = CheckDataFrame(h, /*primary=*/true, try_only ? &busy : nullptr);
+  if (busy) return false;
   if (!checked.ok()) return refuse(checked.status());
   if (h.dtype != v1::WIRE_DTYPE_UNSPECIFIED && h.dtype != v1::WIRE_DTYPE_FP32 && h.dtype != v1::WIRE_DTYPE_BF16) {
     return refuse(InvalidArgument("dtype {}: pulls return FP32 or BF16", h.dtype));
@@ -1509,7 +1526,12 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
   bool sync;
   uint64_t start_step;
   {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_, std::defer_lock);
+    if (!try_only) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return false;
+    }
     sync = IsSync(consistency_);
     start_step = start_step_;
   }

@@ -220,10 +220,11 @@ class ParameterStore {
   // A push whose payload was received into `buffer` (from PushBuffer).
   void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
   void Pull(uint64_t from, const ps::Frame& header, Reply reply);
-  // Pull without waiting for the partition's lock: returns false, having
-  // done nothing (`reply` is left as it was), when the partition is locked
-  // (an update or a push is being applied to it). For a thread that must
-  // not block (the transport's completion thread).
+  // Pull without waiting for a lock: returns false, having done nothing
+  // (`reply` is left as it was), when the store's lock or the partition's is
+  // held (an update or a push is being applied, or a step is being shared or
+  // decided). For a thread that must not block (the transport's completion
+  // thread).
   bool TryPull(uint64_t from, const ps::Frame& header, Reply& reply);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -335,7 +336,9 @@ class ParameterStore {
 
   std::shared_ptr<Part> Find(uint32_t partition) const;
   std::vector<Segment> SegmentsFor(uint64_t begin, uint64_t end) const TANDEM_REQUIRES(mu_);
-  Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary) const;
+  // With `busy` set, never waits for a lock: when the store's or the
+  // partition's lock is held, sets *busy and returns nothing else of use.
+  Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary, bool* busy = nullptr) const;
   // `buffer`, when set, holds `payload` (PushBuffer) and may be kept.
   bool PullImpl(uint64_t from, const ps::Frame& header, Reply& reply, bool try_only);
   void PushImpl(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>> buffer,

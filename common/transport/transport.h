@@ -17,7 +17,8 @@
 // Operations come in two forms. Send/Recv return a Request to Wait on.
 // SendAsync/RecvAsync take a Completion instead, which the transport calls
 // once, with the operation's status, on its own completion thread (UCX: the
-// progress thread; LocalTransport: the fabric's delivery thread), never from
+// progress thread, or a thread of its own for an operation posted while the
+// transport closes; LocalTransport: the fabric's delivery thread), never from
 // inside the posting call: a caller may post while holding its own locks.
 // That thread delivers every message, so a Completion must not block for
 // long; it may post further operations. Their Request is still returned:

@@ -1208,6 +1208,7 @@ std::unique_ptr<Request> UcxTransport::Core::Submit(Op::Kind kind, int peer, uin
     }
   }
   if (!op->callback) return Completed(std::move(refused));
+  op->refused = refused;  // a Drop before it finishes must not look at its peer
   // A closing transport (its destructor runs: nothing should post now) may
   // have no progress thread left to run the completion on. It runs on a
   // thread of its own, never inside this call (the caller may hold locks the
