@@ -29,6 +29,13 @@
 namespace tandem::cli {
 namespace {
 
+// On loopback every simulated node is on 127.0.0.1, so members reach each
+// other over `lo` only. Left to itself UCX opens TCP lanes over every
+// interface of the host, including bridges and veth pairs that other jobs or
+// containers create and delete; a lane over an interface that goes away
+// breaks the connection and the peer is taken for dead.
+constexpr char kLoopbackDevice[] = "lo";
+
 // Sets the job's minimum number of workers through the coordinator's admin
 // API (the launcher's coordinator has no TLS and no admin token).
 Status ScaleJob(const std::string& coordinator, uint32_t min_workers) {
@@ -304,8 +311,9 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   const std::string coordinator = status.ok() ? members[0].daemon.ready.grpc_address : "";
   for (int64_t i = 0; status.ok() && i < servers && !shutdown.requested(); ++i) {
     const int node = static_cast<int>(i % o.nodes);
-    status = launch("tandem-server", fmt::format("server-{}", i), node, false,
-                    {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node)});
+    std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node)};
+    if (!(*network)->namespaces()) args.insert(args.end(), {"--server-ucx-net-devices", kLoopbackDevice});
+    status = launch("tandem-server", fmt::format("server-{}", i), node, false, std::move(args));
   }
   worker::TrainConfig train = o.train;
   train.progress_file = work_dir + "/progress.jsonl";
@@ -320,6 +328,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   const auto launch_worker = [&](int node) {
     std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node),
                                      "--data-plane-backend",  o.backend};
+    if (!(*network)->namespaces()) args.insert(args.end(), {"--data-plane-ucx-net-devices", kLoopbackDevice});
     if (!cpus.empty()) {
       args.push_back("--cpus");
       args.push_back(FormatCpuList(ShareOfCpus(cpus, next_worker, static_cast<int>(workers))));

@@ -229,8 +229,16 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   }
   for (auto& t : threads) t.join();
   if (saver.joinable()) saver.join();
-  for (uint32_t w = 0; w < kWorkers; ++w)
-    ASSERT_TRUE(results[w].ok()) << "worker " << w << ": " << results[w].ToString();
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    if (results[w].ok()) continue;
+    std::string logs;
+    for (size_t i = 0; i < servers.size(); ++i) {
+      if (i != victim) logs += "\nserver " + std::to_string(i) + ":\n" + testing::ReadFile(servers[i].log_file);
+    }
+    FAIL() << "worker " << w << ": " << results[w].ToString() << "\nthe surviving servers' logs:" << logs
+           << "\nthe coordinator's log:\n"
+           << testing::ReadFile(coordinator->log_file);
+  }
   EXPECT_GE(workers[0]->retries() + workers[1]->retries(), 1);
   EXPECT_GE(workers[0]->client().epoch(), 2u);
   // What the workers' push and pull metrics count: every answered push and

@@ -81,6 +81,7 @@ class PsWorker {
     worker::PsClientOptions options;
     options.job_id = job;
     options.timeout = std::chrono::milliseconds(20000);
+    options.ucx.net_devices = kTestNetDevices;
     options.on_answered = [this](bool pull, uint32_t server, uint64_t bytes, double seconds) {
       std::lock_guard lock(answered_mu_);
       auto& a = pull ? pulls_ : pushes_;
