@@ -254,13 +254,14 @@ transport::FrameChannel* WaitChannel(ServerEpoch& e) {
   return ch;
 }
 
-// Dispatches a frame to the store as PsNode::OnFrame does.
+// Replies to `rank` over the epoch's channel.
 server::Reply ServerReply(ServerEpoch& e, int rank) {
   transport::FrameChannel* ch = WaitChannel(e);
   return
       [ch, rank](ps::Frame header, server::ReplyBody body) { server::SendReply(*ch, rank, header, std::move(body)); };
 }
 
+// Dispatches a frame to the store as PsNode::OnFrame does.
 void OnServerFrame(ServerEpoch& e, int rank, const ps::Frame& h, void* payload) {
   const uint64_t from = e.group.members[static_cast<size_t>(rank)];
   server::Reply reply = ServerReply(e, rank);
@@ -328,9 +329,8 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
   handler.try_inline = [&e](int rank, const ps::Frame& h, void*, std::vector<char>&) {
-    if (h.type != ps::FrameType::kPull) return false;
-    server::Reply reply = ServerReply(e, rank);
-    return server::TryHandleInline(*e.store, e.group.members[static_cast<size_t>(rank)], h, reply);
+    return server::TryHandleInline(*e.store, e.group.members[static_cast<size_t>(rank)], h,
+                                   [&] { return ServerReply(e, rank); });
   };
   e.owned_channel =
       std::make_unique<transport::FrameChannel>(e.group.transport.get(), std::vector<int>{worker}, std::move(handler));

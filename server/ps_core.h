@@ -433,8 +433,12 @@ class ParameterStore {
 // (answered at once, or queued for its step). Everything else (pushes,
 // which may run the optimizer; replication; a pull that would wait for an
 // update) goes to the frame's peer's receiver thread.
-inline bool TryHandleInline(ParameterStore& store, uint64_t from, const ps::Frame& header, Reply& reply) {
-  return header.type == ps::FrameType::kPull && store.TryPull(from, header, reply);
+// `make_reply` builds the frame's reply (only for a pull).
+template <typename MakeReply>
+bool TryHandleInline(ParameterStore& store, uint64_t from, const ps::Frame& header, MakeReply make_reply) {
+  if (header.type != ps::FrameType::kPull) return false;
+  Reply reply = make_reply();
+  return store.TryPull(from, header, reply);
 }
 
 // Lands pushes in store buffers for a frame channel (FrameChannel::Handler):

@@ -562,9 +562,8 @@ Reply PsNode::Replier(const std::shared_ptr<Group>& group, int rank) {
 }
 
 bool PsNode::TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h) {
-  if (h.type != ps::FrameType::kPull) return false;
-  Reply reply = Replier(group, rank);
-  return TryHandleInline(*store_, group->group.members[static_cast<size_t>(rank)], h, reply);
+  return TryHandleInline(*store_, group->group.members[static_cast<size_t>(rank)], h,
+                         [&] { return Replier(group, rank); });
 }
 
 void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,

@@ -10,8 +10,6 @@
 
 namespace tandem::testing {
 
-// Starts build/bin/BINARY as NAME on loopback port 0 with `args`, logs and
-// ready file in `dir`, and waits until it serves.
 // Members started by tests talk over loopback only: UCX would otherwise open
 // TCP lanes over every interface of the host, including the bridges and veth
 // pairs that tests running beside them create and delete (a lane over an
@@ -19,13 +17,16 @@ namespace tandem::testing {
 // for dead).
 inline constexpr char kTestNetDevices[] = "lo";
 
+// Starts build/bin/BINARY as NAME on loopback port 0 with `args` (a server's
+// or worker's UCX devices set to kTestNetDevices unless `args` names them),
+// logs and ready file in `dir`, and waits until it serves.
 inline Result<cli::LaunchedDaemon> StartDaemon(const std::string& binary, const std::string& name,
                                                const std::string& dir, std::vector<std::string> args = {}) {
-  const auto has = [&](const std::string& flag) { return std::find(args.begin(), args.end(), flag) != args.end(); };
-  for (const char* flag : {"--server-ucx-net-devices", "--data-plane-ucx-net-devices"}) {
-    const bool belongs =
-        std::string(flag) == "--server-ucx-net-devices" ? binary == "tandem-server" : binary == "tandem-worker";
-    if (belongs && !has(flag)) args.insert(args.end(), {flag, kTestNetDevices});
+  const std::string devices_flag = binary == "tandem-server"   ? "--server-ucx-net-devices"
+                                   : binary == "tandem-worker" ? "--data-plane-ucx-net-devices"
+                                                               : "";
+  if (!devices_flag.empty() && std::find(args.begin(), args.end(), devices_flag) == args.end()) {
+    args.insert(args.end(), {devices_flag, kTestNetDevices});
   }
   cli::LaunchSpec spec;
   spec.binary = BinDir() + "/" + binary;

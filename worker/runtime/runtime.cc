@@ -629,7 +629,10 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     // (a server takes the first values it gets), and nothing collective has
     // run yet, so a retry repeats nothing the other workers wait for. A
     // server that is really gone ends the epoch, which ends the retries.
-    auto initialized = ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
+    const auto initialize = [&] {
+      return ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
+    };
+    auto initialized = initialize();
     const auto give_up = Clock::now() + options_.epoch_wait;
     auto backoff = std::chrono::milliseconds(100);
     while (!initialized.ok() && initialized.status().code() == StatusCode::kUnavailable &&
@@ -640,7 +643,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
         return Aborted("epoch {} was superseded while initialising its parameter servers", view.epoch.epoch());
       }
       backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
-      initialized = ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
+      initialized = initialize();
     }
     if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
     if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
