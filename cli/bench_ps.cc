@@ -328,9 +328,10 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // The worker closes its group when it is done with a size, just before it
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
-  handler.try_inline = [&e](int rank, const ps::Frame& h, void*, std::vector<char>&) {
-    return server::TryHandleInline(*e.store, e.group.members[static_cast<size_t>(rank)], h,
-                                   [&] { return ServerReply(e, rank); });
+  handler.try_inline = [&e](int rank, const ps::Frame& h, void* payload, std::vector<char>&,
+                            transport::FrameChannel::Then& then) {
+    return server::TryHandleInline(*e.store, *e.landing, rank, e.group.members[static_cast<size_t>(rank)], h, payload,
+                                   then, [&] { return ServerReply(e, rank); });
   };
   e.owned_channel =
       std::make_unique<transport::FrameChannel>(e.group.transport.get(), std::vector<int>{worker}, std::move(handler));

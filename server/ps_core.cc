@@ -43,6 +43,18 @@ bool Keepable(const std::shared_ptr<std::vector<float>>& buffer, const void* dat
   return buffer && buffer->data() == data && buffer->size() == n && Fp32Wire(dtype);
 }
 
+// Appends `work` to what `later` holds.
+void Defer(std::function<void()>* later, std::function<void()> work) {
+  if (*later) {
+    *later = [first = std::move(*later), second = std::move(work)] {
+      first();
+      second();
+    };
+  } else {
+    *later = std::move(work);
+  }
+}
+
 bool ValidWireDType(uint16_t dtype) {
   return dtype <= v1::WIRE_DTYPE_FP16;
 }
@@ -774,8 +786,23 @@ Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::millisecon
   return std::move(request->result);
 }
 
-void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
+void ParameterStore::StepCompleted(uint32_t partition, uint64_t step, Then* later) {
   // Called without part locks held; copies state for waiting captures.
+  if (later != nullptr) {
+    std::unique_lock lock(mu_, std::try_to_lock);
+    bool wanted = !lock.owns_lock();
+    for (size_t i = 0; !wanted && i < captures_.size(); ++i) {
+      wanted = captures_[i]->step == step && captures_[i]->expected.count(partition) > 0;
+    }
+    if (lock.owns_lock()) lock.unlock();
+    if (wanted) {
+      // Busy, or a checkpoint waits for it (copying the partition's state).
+      Defer(later, [this, partition, step] { StepCompleted(partition, step, nullptr); });
+    } else {
+      changed_.notify_all();
+    }
+    return;
+  }
   std::shared_ptr<Part> part;
   {
     std::lock_guard lock(mu_);
@@ -957,27 +984,79 @@ void ParameterStore::FoldLocked(Part& part, uint16_t dtype, const void* data,
 }
 
 void ParameterStore::Push(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
-  PushImpl(from, h, payload, nullptr, std::move(reply));
+  std::shared_ptr<std::vector<float>> none;
+  PushImpl(from, h, payload, none, reply, nullptr);
 }
 
 void ParameterStore::Push(uint64_t from, const ps::Frame& h, std::shared_ptr<std::vector<float>> buffer, Reply reply) {
   const void* payload = buffer ? buffer->data() : nullptr;
-  PushImpl(from, h, payload, std::move(buffer), std::move(reply));
+  PushImpl(from, h, payload, buffer, reply, nullptr);
 }
 
-void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* payload,
-                              std::shared_ptr<std::vector<float>> buffer, Reply reply) {
+bool ParameterStore::TryPush(uint64_t from, const ps::Frame& h, const void* payload,
+                             std::shared_ptr<std::vector<float>>& buffer, Reply& reply, Then& later) {
+  return PushImpl(from, h, payload, buffer, reply, &later);
+}
+
+void ParameterStore::ShareStep(uint64_t epoch, uint64_t step, Then* later) {
+  Actions actions;
+  if (MaybeShare(epoch, step, actions, later)) return Run(actions);
+  // Busy, or too much to apply here: all of it on the thread that may block.
+  Defer(later, [this, epoch, step] {
+    Actions all;
+    MaybeShare(epoch, step, all, nullptr);
+    Run(all);
+  });
+}
+
+bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* payload,
+                              std::shared_ptr<std::vector<float>>& buffer, Reply& reply, Then* later) {
+  const bool try_only = later != nullptr;
+  // Scanning a large gradient would hold up every peer's messages.
+  if (try_only && h.payload_bytes > kInlinePushBytes) return false;
+  bool busy = false;
+  auto checked = CheckDataFrame(h, /*primary=*/true, try_only ? &busy : nullptr);
+  if (busy) return false;
+  v1::ConsistencyConfig consistency;
+  v1::NonFinitePolicy policy;
+  uint32_t dp;
+  uint64_t epoch, start_step;
+  {
+    std::unique_lock lock(mu_, std::defer_lock);
+    if (!try_only) {
+      lock.lock();
+    } else if (!lock.try_lock()) {
+      return false;
+    }
+    consistency = consistency_;
+    policy = optimizer_->non_finite_policy();
+    dp = dp_size_;
+    epoch = epoch_;
+    start_step = start_step_;
+  }
+  // The asynchronous modes apply the update right away.
+  if (try_only && !IsSync(consistency)) return false;
+  std::shared_ptr<Part> part = checked.ok() ? *checked : nullptr;
+  std::unique_lock<std::mutex> plock;
+  if (part) {
+    plock = std::unique_lock(part->mu, std::defer_lock);
+    if (!try_only) {
+      plock.lock();
+    } else if (!plock.try_lock()) {
+      return false;
+    }
+  }
   counters_.pushes.fetch_add(1);
   counters_.push_bytes.fetch_add(h.payload_bytes);
   auto refuse = [&](const Status& status) {
+    if (plock.owns_lock()) plock.unlock();
     counters_.rejected_pushes.fetch_add(1);
     std::vector<char> body;
     ps::Frame r = Refusal(h, status, &body);
     reply(r, std::move(body));
+    return true;
   };
-  auto checked = CheckDataFrame(h, /*primary=*/true);
   if (!checked.ok()) return refuse(checked.status());
-  std::shared_ptr<Part> part = *checked;
   if (!ValidWireDType(h.dtype)) return refuse(InvalidArgument("dtype {} is not a wire dtype", h.dtype));
   if (h.contributors == 0 || h.contributors > kMaxContributors) {
     return refuse(InvalidArgument("contributors: {} must be 1 to {}", h.contributors, kMaxContributors));
@@ -987,24 +1066,10 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   }
   if (h.step == 0) return refuse(InvalidArgument("step: must be >= 1 (step 1 is the first update)"));
 
-  v1::ConsistencyConfig consistency;
-  v1::NonFinitePolicy policy;
-  uint32_t dp;
-  uint64_t epoch, start_step;
-  {
-    std::lock_guard lock(mu_);
-    consistency = consistency_;
-    policy = optimizer_->non_finite_policy();
-    dp = dp_size_;
-    epoch = epoch_;
-    start_step = start_step_;
-  }
   Actions actions;
   ps::Frame ok = ps::ReplyTo(h, ps::FrameType::kPushReply);
-  std::unique_lock plock(part->mu);
   const size_t n = part->state.size();
   if (h.payload_bytes != WireBytes(Wire(h.dtype), n)) {
-    plock.unlock();
     return refuse(InvalidArgument("payload is {} bytes, partition {} needs {} ({} elements of {})", h.payload_bytes,
                                   h.partition, WireBytes(Wire(h.dtype), n), n, v1::WireDType_Name(Wire(h.dtype))));
   }
@@ -1020,12 +1085,10 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       reply(ok, {});
       // A step retried in a new epoch that this partition already applied:
       // its share is still needed by the servers that did not.
-      if (retried) MaybeShare(epoch, h.step, actions);
-      Run(actions);
-      return;
+      if (retried) ShareStep(epoch, h.step, later);
+      return true;
     }
     if (h.step > part->state.step + 1) {
-      plock.unlock();
       return refuse(FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}",
                                        h.step, h.partition, part->state.step, part->state.step + 1));
     }
@@ -1043,7 +1106,6 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       part->first_push = std::chrono::steady_clock::now();
     }
     if (h.contributors != part->contributors) {
-      plock.unlock();
       return refuse(InvalidArgument("contributors: this push says {}, earlier pushes of the step said {}",
                                     h.contributors, part->contributors));
     }
@@ -1051,13 +1113,13 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       counters_.duplicate_pushes.fetch_add(1);
       ok.flags = ps::kFlagDuplicate;
       plock.unlock();
-      return reply(ok, {});
+      reply(ok, {});
+      return true;
     }
     if (policy == v1::NON_FINITE_POLICY_FAIL) {
       std::vector<float> widened(n);
       AccumulateWire(widened.data(), payload, Wire(h.dtype), n, true);
       if (!ScanGradient(widened.data(), n).finite) {
-        plock.unlock();
         spdlog::error(
             "partition {} step {}: contributor {} (member {}) pushed NaN or Inf; the step is refused "
             "(non_finite_policy FAIL): training stops until an operator intervenes",
@@ -1080,11 +1142,8 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     }
     plock.unlock();
     reply(ok, {});
-    if (ready) {
-      MaybeShare(epoch, h.step, actions);
-      Run(actions);
-    }
-    return;
+    if (ready) ShareStep(epoch, h.step, later);
+    return true;
   }
 
   // Asynchronous and bounded staleness: apply now.
@@ -1093,12 +1152,12 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
     plock.unlock();
-    return reply(ok, {});
+    reply(ok, {});
+    return true;
   }
   const uint64_t slowest = *std::min_element(part->clocks.begin(), part->clocks.end());
   if (consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS &&
       h.step > slowest + consistency.staleness_bound() + 1) {
-    plock.unlock();
     return refuse(FailedPrecondition(
         "step {} is from the future: the slowest contributor has pushed step {} and the staleness bound is {}", h.step,
         slowest, consistency.staleness_bound()));
@@ -1121,7 +1180,6 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   if (!scan.finite) {
     if (policy == v1::NON_FINITE_POLICY_FAIL) {
       part->clocks[h.contributor] = h.step - 1;
-      plock.unlock();
       return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
     }
     counters_.skipped_steps.fetch_add(1);
@@ -1147,6 +1205,7 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   plock.unlock();
   Run(actions);
   StepCompleted(h.partition, completed);
+  return true;
 }
 
 void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale) {
@@ -1170,21 +1229,39 @@ void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scal
   counters_.update_seconds.fetch_add(seconds);
 }
 
-void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions) {
-  std::lock_guard lock(mu_);
-  if (epoch != epoch_) return;
-  Round& round = rounds_[{epoch, step}];
-  if (round.shared) return;
+bool ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions, Then* later) {
+  std::unique_lock lock(mu_, std::defer_lock);
+  if (later == nullptr) {
+    lock.lock();
+  } else if (!lock.try_lock()) {
+    return false;
+  }
+  if (epoch != epoch_) return true;
+  auto found = rounds_.find({epoch, step});
+  if (found != rounds_.end() && found->second.shared) return true;
   std::vector<ps::ShareEntry> entries;
+  // Without waiting (`later`), every partition stays locked until the
+  // decision has read them (Decide), and the update must be small.
+  std::vector<std::unique_lock<std::mutex>> held;
+  uint64_t elements = 0;
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    std::unique_lock plock(part->mu, std::defer_lock);
+    if (later == nullptr) {
+      plock.lock();
+    } else if (!plock.try_lock()) {
+      return false;
+    }
+    if (later != nullptr) held.push_back(std::move(plock));
     if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
     const bool decided_before = part->state.step == step;  // share it again
     const bool aggregated =
         part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready;
-    if (!decided_before && !aggregated) return;  // still aggregating
+    if (!decided_before && !aggregated) return true;  // still aggregating
     entries.push_back(part->last_share);
+    elements += part->state.size();
   }
+  if (later != nullptr && elements * sizeof(float) > kInlinePushBytes) return false;
+  Round& round = rounds_[{epoch, step}];
   round.shared = true;
   round.dp = dp_size_;
   for (const auto& e : entries) round.entries.emplace(e.partition, e);
@@ -1192,7 +1269,8 @@ void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions)
   if (other_servers_) {
     actions.push_back([this, epoch, step, entries = std::move(entries)] { links_->SendShare(epoch, step, entries); });
   }
-  MaybeDecide(epoch, step, actions);
+  MaybeDecide(epoch, step, actions, later);
+  return true;
 }
 
 void ParameterStore::Share(uint64_t from, const ps::Frame& h, const void* payload) {
@@ -1211,22 +1289,22 @@ void ParameterStore::Share(uint64_t from, const ps::Frame& h, const void* payloa
       auto it = rounds_.find({h.epoch, h.step});
       if (it == rounds_.end() || it->second.decided) return;
       for (const auto& e : entries) it->second.entries.emplace(e.partition, e);
-      MaybeDecide(h.epoch, h.step, actions);
+      MaybeDecide(h.epoch, h.step, actions, nullptr);
     } else {
       Round& round = rounds_[{h.epoch, h.step}];
       for (const auto& e : entries) round.entries.emplace(e.partition, e);
-      if (h.epoch == epoch_) MaybeDecide(h.epoch, h.step, actions);
+      if (h.epoch == epoch_) MaybeDecide(h.epoch, h.step, actions, nullptr);
     }
   }
   Run(actions);
 }
 
-void ParameterStore::MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions) {
+void ParameterStore::MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions, Then* later) {
   auto it = rounds_.find({epoch, step});
   if (it == rounds_.end() || it->second.decided || !it->second.shared) return;
   if (it->second.entries.size() < static_cast<size_t>(map_.partitions_size())) return;
   it->second.decided = true;
-  Decide(epoch, step, it->second, actions);
+  Decide(epoch, step, it->second, actions, later);
   rounds_.erase(it);
   // Older rounds of this epoch can no longer matter.
   for (auto r = rounds_.begin(); r != rounds_.end();) {
@@ -1234,7 +1312,7 @@ void ParameterStore::MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions
   }
 }
 
-void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions) {
+void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions, Then* later) {
   double total = 0;
   bool finite = true;
   for (const auto& [id, e] : round.entries) {
@@ -1259,7 +1337,9 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
   }
   std::vector<std::shared_ptr<Part>> parts;
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    // With `later`, MaybeShare holds every partition's lock.
+    std::unique_lock plock(part->mu, std::defer_lock);
+    if (later == nullptr) plock.lock();
     if (part->role == v1::REPLICA_ROLE_PRIMARY && part->agg_epoch == epoch && part->agg_step == step && part->ready &&
         part->state.step + 1 == step) {
       parts.push_back(part);
@@ -1268,13 +1348,13 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
     }
   }
   const double grad_scale = coef / divisor;
-  actions.push_back([this, parts = std::move(parts), epoch, step, skip, grad_scale]() mutable {
-    ApplyDecision(std::move(parts), epoch, step, skip, grad_scale);
+  actions.push_back([this, parts = std::move(parts), epoch, step, skip, grad_scale, later]() mutable {
+    ApplyDecision(std::move(parts), epoch, step, skip, grad_scale, later);
   });
 }
 
 void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
-                                   double grad_scale) {
+                                   double grad_scale, Then* later) {
   const auto crash_primary_of = FailpointNumber("ps.crash_on_decide_primary_of");
   // With crash_on_decide_primary_of, only in epoch 1: the server that
   // takes the partition over must not die of the same failpoint.
@@ -1297,12 +1377,37 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
   // replication and waiting pulls go out as soon as it is applied, while the
   // next one is.
   Actions actions;
+  Actions replication;  // with `later`: the sends to backups
   std::vector<uint32_t> completed;
-  for (auto& part : parts) {
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const std::shared_ptr<Part>& part = parts[i];
     Run(actions);
     // A step decided in an old epoch replicates in the current one.
-    const uint64_t current = this->epoch();  // before the partition's lock (lock order)
-    std::lock_guard plock(part->mu);
+    uint64_t current = 0;
+    bool busy = false;
+    {
+      std::unique_lock lock(mu_, std::defer_lock);  // before the partition's lock (lock order)
+      if (later == nullptr) {
+        lock.lock();
+      } else {
+        busy = !lock.try_lock();
+      }
+      if (!busy) current = epoch_;
+    }
+    std::unique_lock plock(part->mu, std::defer_lock);
+    if (!busy && later == nullptr) {
+      plock.lock();
+    } else if (!busy) {
+      busy = !plock.try_lock();
+    }
+    if (busy) {
+      // This partition and the rest on the thread that may block.
+      std::vector<std::shared_ptr<Part>> rest(parts.begin() + static_cast<std::ptrdiff_t>(i), parts.end());
+      Defer(later, [this, rest = std::move(rest), epoch, step, skip, grad_scale]() mutable {
+        ApplyDecision(std::move(rest), epoch, step, skip, grad_scale, nullptr);
+      });
+      break;
+    }
     if (part->agg_epoch != epoch || part->agg_step != step || !part->ready || part->state.step + 1 != step) continue;
     ps::Frame rep;
     rep.type = ps::FrameType::kReplica;
@@ -1321,11 +1426,17 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
     part->state.step = step;
     part->ready = false;
     part->agg_epoch = 0;
-    ReplicateLocked(*part, rep, grad, actions);
+    // Without a backup this answers the step's waiting pulls (here, also
+    // inline); sends to a backup wait for `later` when there is one (a
+    // refused send's handling takes locks).
+    ReplicateLocked(*part, rep, grad, later != nullptr && part->backup != 0 ? replication : actions);
     completed.push_back(part->state.id);
   }
   Run(actions);
-  for (uint32_t id : completed) StepCompleted(id, step);
+  if (!replication.empty()) {
+    Defer(later, [this, replication = std::move(replication)]() mutable { Run(replication); });
+  }
+  for (uint32_t id : completed) StepCompleted(id, step, later);
 }
 
 void ParameterStore::ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad,
@@ -1679,6 +1790,17 @@ void* PushLanding::PayloadBuffer(int peer, const ps::Frame& header) {
   auto& slot = slots_[static_cast<size_t>(peer)];
   slot = store_->PushBuffer(header);
   return slot ? slot->data() : nullptr;
+}
+
+bool PushLanding::TryPush(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply& reply,
+                          ParameterStore::Then& then) {
+  std::shared_ptr<std::vector<float>> none;
+  const bool landed = peer >= 0 && static_cast<size_t>(peer) < slots_.size() && slots_[static_cast<size_t>(peer)] &&
+                      slots_[static_cast<size_t>(peer)]->data() == payload;
+  auto& buffer = landed ? slots_[static_cast<size_t>(peer)] : none;
+  if (!store_->TryPush(from, header, payload, buffer, reply, then)) return false;
+  if (landed) buffer.reset();  // kept by the store, or no longer needed
+  return true;
 }
 
 void PushLanding::Push(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply reply) {

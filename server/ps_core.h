@@ -226,6 +226,26 @@ class ParameterStore {
   // decided). For a thread that must not block (the transport's completion
   // thread).
   bool TryPull(uint64_t from, const ps::Frame& header, Reply& reply);
+  // The rest of a push taken in by TryPush, for a thread that may block.
+  using Then = std::function<void()>;
+  // Pushes of at most this many bytes may be taken in by TryPush.
+  static constexpr uint64_t kInlinePushBytes = 1ULL << 20;
+  // Push without waiting for a lock, in sync mode, of at most
+  // kInlinePushBytes: checks the push, folds it into the step's gradient
+  // and replies, as Push does; returns false, having done nothing (`buffer`
+  // and `reply` left as they were), where Push would wait for a lock, in the
+  // asynchronous modes (the update is applied at once) and for larger
+  // pushes. When the push completes the server's part of the step, the
+  // step is shared and, once decided, applied right there too, as long as
+  // no lock is held and the server's primaries hold at most
+  // kInlinePushBytes of fp32; what cannot be done so (all of it for a larger
+  // server; the rest of a decision from a partition whose lock is held on;
+  // sends to backups, whose failure handling may wait for locks; a
+  // checkpoint waiting for the step) is left in `later`, for the caller to
+  // run on a thread that may block before it takes in the sender's next
+  // frame.
+  bool TryPush(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>>& buffer,
+               Reply& reply, Then& later);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
   void Transfer(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -339,10 +359,17 @@ class ParameterStore {
   // With `busy` set, never waits for a lock: when the store's or the
   // partition's lock is held, sets *busy and returns nothing else of use.
   Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary, bool* busy = nullptr) const;
-  // `buffer`, when set, holds `payload` (PushBuffer) and may be kept.
   bool PullImpl(uint64_t from, const ps::Frame& header, Reply& reply, bool try_only);
-  void PushImpl(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>> buffer,
-                Reply reply);
+  // `buffer`, when set, holds `payload` (PushBuffer) and may be kept (moved
+  // from). With `later` set (TryPush), never waits for a lock: returns false,
+  // having done nothing, where it would, and leaves what would wait in
+  // *later (ShareStep).
+  bool PushImpl(uint64_t from, const ps::Frame& header, const void* payload,
+                std::shared_ptr<std::vector<float>>& buffer, Reply& reply, Then* later);
+  // Shares the step once this server's partitions have all aggregated it
+  // (MaybeShare), then runs what follows (a decision applies the update):
+  // now, or, with `later`, left there.
+  void ShareStep(uint64_t epoch, uint64_t step, Then* later);
   // Folds the next contribution in order (taking `buffer` over as the
   // accumulator when it is the first and holds fp32 `data`), then the
   // buffered early pushes that follow it.
@@ -351,17 +378,25 @@ class ParameterStore {
   // A gradient-sized buffer, reused from released ones when one of that size
   // is spare (contents not initialised then).
   std::shared_ptr<std::vector<float>> Buffer(size_t n);
-  // After a partition became ready: shares or decides (sync mode).
-  void MaybeShare(uint64_t epoch, uint64_t step, Actions& actions);
-  void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions);
-  void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions);
+  // After a partition became ready: shares or decides (sync mode). With
+  // `later` (a thread that must not block; TryPush), nothing waits for a
+  // lock: returns false, having changed nothing, when a lock is held or the
+  // server's partitions hold more than kInlinePushBytes of fp32 (too much
+  // to update there), and the decision's actions leave work that meets a
+  // held lock in *later.
+  bool MaybeShare(uint64_t epoch, uint64_t step, Actions& actions, Then* later);
+  void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions, Then* later);
+  // With `later`, the caller holds every partition's lock (MaybeShare).
+  void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions, Then* later);
   // Applies one update to a partition (grad already reduced).
   void ApplyLocked(Part& part, const float* grad, double grad_scale) TANDEM_REQUIRES(part.mu);
-  // Applies a decided sync step to the partitions that aggregated it.
+  // Applies a decided sync step to the partitions that aggregated it. With
+  // `later`, from the first partition whose lock is held on, in *later.
   void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
-                     double grad_scale);
-  // A partition completed `step`: hands its state to checkpoints waiting for it.
-  void StepCompleted(uint32_t partition, uint64_t step);
+                     double grad_scale, Then* later);
+  // A partition completed `step`: hands its state to checkpoints waiting for
+  // it. With `later`, in *later when a lock is held or a checkpoint waits.
+  void StepCompleted(uint32_t partition, uint64_t step, Then* later = nullptr);
   // Sends an update to the backup (or marks it safe without one), queueing
   // the acknowledgement's follow-ups.
   void ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad, Actions& actions)
@@ -428,18 +463,21 @@ class ParameterStore {
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
 };
 
+class PushLanding;
+
 // What a server handles on its transport's completion thread
 // (FrameChannel::Handler::try_inline): a pull whose partition is not locked
-// (answered at once, or queued for its step). Everything else (pushes,
-// which may run the optimizer; replication; a pull that would wait for an
-// update) goes to the frame's peer's receiver thread.
-// `make_reply` builds the frame's reply (only for a pull).
+// (answered at once, or queued for its step), and a sync-mode push of at
+// most ParameterStore::kInlinePushBytes whose partition is not locked
+// (checked, folded in and answered; the step it completes is shared,
+// decided and applied there too when the server is small and no lock is
+// held, else left in `then` for the peer's receiver thread: TryPush).
+// Everything else (larger or asynchronous pushes; replication; a
+// frame whose partition is locked) goes to the frame's peer's receiver
+// thread. `make_reply` builds the frame's reply (only for a pull or push).
 template <typename MakeReply>
-bool TryHandleInline(ParameterStore& store, uint64_t from, const ps::Frame& header, MakeReply make_reply) {
-  if (header.type != ps::FrameType::kPull) return false;
-  Reply reply = make_reply();
-  return store.TryPull(from, header, reply);
-}
+bool TryHandleInline(ParameterStore& store, PushLanding& landing, int peer, uint64_t from, const ps::Frame& header,
+                     const void* payload, ParameterStore::Then& then, MakeReply make_reply);
 
 // Lands pushes in store buffers for a frame channel (FrameChannel::Handler):
 // payload_buffer asks the store for a buffer it can keep
@@ -457,10 +495,28 @@ class PushLanding {
   void* PayloadBuffer(int peer, const ps::Frame& header);
   // ParameterStore::Push of a push frame from `peer` (member `from`).
   void Push(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
+  // ParameterStore::TryPush of it: when declined, the frame's buffer stays
+  // for Push.
+  bool TryPush(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply& reply,
+               ParameterStore::Then& then);
 
  private:
   ParameterStore* const store_;
   std::vector<std::shared_ptr<std::vector<float>>> slots_;
 };
+
+template <typename MakeReply>
+bool TryHandleInline(ParameterStore& store, PushLanding& landing, int peer, uint64_t from, const ps::Frame& header,
+                     const void* payload, ParameterStore::Then& then, MakeReply make_reply) {
+  if (header.type == ps::FrameType::kPull) {
+    Reply reply = make_reply();
+    return store.TryPull(from, header, reply);
+  }
+  if (header.type == ps::FrameType::kPush) {
+    Reply reply = make_reply();
+    return landing.TryPush(peer, from, header, payload, reply, then);
+  }
+  return false;
+}
 
 }  // namespace tandem::server

@@ -532,9 +532,10 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
   };
-  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void*, std::vector<char>&) {
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>&,
+                                    transport::FrameChannel::Then& then) {
     auto g = weak.lock();
-    return !g || TryInline(g, rank, h);  // a frame of a group that is gone is dropped, as on_frame does
+    return !g || TryInline(g, rank, h, payload, then);  // a frame of a group that is gone is dropped, as on_frame does
   };
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
                                                              /*start=*/false);
@@ -561,9 +562,10 @@ Reply PsNode::Replier(const std::shared_ptr<Group>& group, int rank) {
   };
 }
 
-bool PsNode::TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h) {
-  return TryHandleInline(*store_, group->group.members[static_cast<size_t>(rank)], h,
-                         [&] { return Replier(group, rank); });
+bool PsNode::TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, const void* payload,
+                       transport::FrameChannel::Then& then) {
+  return TryHandleInline(*store_, *group->landing, rank, group->group.members[static_cast<size_t>(rank)], h, payload,
+                         then, [&] { return Replier(group, rank); });
 }
 
 void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,

@@ -85,7 +85,8 @@ class PsNode final : public ServerLinks {
   // Sends a reply to `rank` over the group's channel, while the group lives.
   static Reply Replier(const std::shared_ptr<Group>& group, int rank);
   // FrameChannel::Handler::try_inline (TryHandleInline).
-  bool TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header);
+  bool TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, const void* payload,
+                 transport::FrameChannel::Then& then);
   void OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, void* payload,
                std::vector<char>& owned);
   void OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const Status& status);

@@ -262,6 +262,9 @@ std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uin
   return g;
 }
 
+// The run's parameters on one server with plain Push calls (below).
+std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors);
+
 class PsCoreTest : public ::testing::Test {
  protected:
   void Start(int servers, const Job& job) {
@@ -334,6 +337,75 @@ class PsCoreTest : public ::testing::Test {
       EXPECT_EQ(primary_stats.partitions(0).step(), backup_stats.partitions(0).step()) << "partition " << p;
       EXPECT_EQ(backup_stats.partitions(0).role(), v1::REPLICA_ROLE_BACKUP);
     }
+  }
+
+  // A PushLanding per server (three peers each), as the servers' frame
+  // channels have.
+  struct Landings {
+    explicit Landings(PsCoreTest& test) : t(test) {
+      for (uint64_t id : t.cluster_.Live()) all.emplace_back(&t.cluster_[id], 3);
+    }
+    // The landing of the partition's primary.
+    PushLanding& Of(uint32_t p) {
+      const uint64_t id = t.map_.partitions(static_cast<int>(p)).primary_member_id();
+      return all[static_cast<size_t>(id - kFirstServer)];
+    }
+    // Receives `grad` as a push frame `h` from `peer` into the buffer the
+    // partition's landing gives (null when it gives none).
+    void* Receive(uint32_t p, int peer, const ps::Frame& h, const std::vector<float>& grad) {
+      void* into = Of(p).PayloadBuffer(peer, h);
+      if (into != nullptr) std::memcpy(into, grad.data(), h.payload_bytes);
+      return into;
+    }
+    PsCoreTest& t;
+    std::vector<PushLanding> all;
+  };
+
+  // Four steps of three contributors, every push through TryPush (as the
+  // server's channel makes it, PushLanding), running `then` where one is
+  // left: expects one per step, left by the push that completes the step,
+  // with the step already applied by the push itself when
+  // `applied_inline` (then only its sends to backups are left), else not;
+  // no pull of the step is answered before `then` runs (with backups,
+  // pulls wait for them); the result must equal Push's bit for bit.
+  void TryPushSteps(const Job& job, int servers, bool applied_inline) {
+    Start(servers, job);
+    Landings landings(*this);
+    auto landing_of = [&](uint32_t p) -> PushLanding& { return landings.Of(p); };
+    std::vector<float> params;
+    for (uint64_t s = 1; s <= 4; ++s) {
+      int deferred = 0;
+      for (uint32_t p = 0; p < Partitions(); ++p) {
+        auto [b, e] = Range(p);
+        for (uint32_t c = 0; c < 3; ++c) {
+          const auto grad = Grad(s, c, b, e);
+          const ps::Frame h = PushHeader(epoch_, s, p, c, 3, grad.size() * sizeof(float));
+          const int peer = static_cast<int>(c);
+          void* into = landings.Receive(p, peer, h, grad);
+          ASSERT_NE(into, nullptr);
+          auto a = std::make_shared<Answer>();
+          Reply reply = Into(a);
+          ParameterStore::Then then;
+          ASSERT_TRUE(landing_of(p).TryPush(peer, 1, h, into, reply, then));
+          ASSERT_TRUE(a->done);
+          ASSERT_TRUE(a->status().ok()) << a->status().ToString();
+          if (!then) continue;
+          ++deferred;
+          EXPECT_EQ(PrimaryOf(p).Stats({p}).partitions(0).step(), applied_inline ? s : s - 1) << "step " << s;
+          auto early = std::make_shared<Answer>();
+          PrimaryOf(p).Pull(1, PullHeader(epoch_, s, p), Into(early));
+          EXPECT_FALSE(early->done) << "step " << s << " was answered before `then` ran";
+          then();
+          EXPECT_TRUE(early->done);
+        }
+      }
+      EXPECT_EQ(deferred, 1) << "step " << s;
+      params = PullAll(s);
+    }
+    const auto reference = ReferenceRun(job, 4, 3);
+    ASSERT_EQ(params.size(), reference.size());
+    EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+    ExpectReplicasEqual();
   }
 
   Cluster cluster_;
@@ -448,6 +520,26 @@ TEST_F(PsCoreTest, TryPullAnswersAsPullDoes) {
   EXPECT_EQ(refused->status().code(), StatusCode::kNotFound) << refused->status().ToString();
 }
 
+// TryPush (a server's pushes on its transport's completion thread), through
+// PushLanding as the server's frame channel calls it: a small job's pushes,
+// step decisions and updates (three servers, replicated) happen inside the
+// call, only the sends to backups are left in `then`, and the result is bit
+// for bit that of Push. A server holding more than kInlinePushBytes takes
+// the pushes in and answers them, but leaves the step's update in `then`.
+// (It also declines, or defers, while another thread holds a lock, which a
+// test cannot hold still.)
+TEST_F(PsCoreTest, TryPushAnswersAsPushDoes) {
+  TryPushSteps(Job(), 3, /*applied_inline=*/true);
+}
+
+TEST_F(PsCoreTest, TryPushLeavesALargeServersUpdateForLater) {
+  Job large;
+  large.params = (ParameterStore::kInlinePushBytes / sizeof(float)) * 3 / 2;
+  large.partition = large.params / 3;
+  large.initial.resize(large.params, 0.5f);
+  TryPushSteps(large, 1, /*applied_inline=*/false);
+}
+
 // Pushes received straight into store buffers (PushLanding, as the server's
 // frame channel does): the first contribution becomes the accumulator, later
 // and early ones are folded from theirs, buffers are reused across steps, and
@@ -455,12 +547,8 @@ TEST_F(PsCoreTest, TryPullAnswersAsPullDoes) {
 TEST_F(PsCoreTest, PushesLandedInStoreBuffersEqualCopiedPushesBitForBit) {
   Job job;
   Start(3, job);
-  std::vector<PushLanding> landings;
-  for (uint64_t id : cluster_.Live()) landings.emplace_back(&cluster_[id], 3);
-  auto landing_of = [&](uint32_t p) -> PushLanding& {
-    const uint64_t id = map_.partitions(static_cast<int>(p)).primary_member_id();
-    return landings[static_cast<size_t>(id - kFirstServer)];
-  };
+  Landings landings(*this);
+  auto landing_of = [&](uint32_t p) -> PushLanding& { return landings.Of(p); };
   std::vector<float> params;
   for (uint64_t s = 1; s <= 6; ++s) {
     const std::vector<uint32_t> order = s % 2 ? std::vector<uint32_t>{2, 0, 1} : std::vector<uint32_t>{0, 1, 2};
@@ -470,9 +558,8 @@ TEST_F(PsCoreTest, PushesLandedInStoreBuffersEqualCopiedPushesBitForBit) {
         const auto grad = Grad(s, c, b, e);
         const ps::Frame h = PushHeader(epoch_, s, p, c, 3, grad.size() * sizeof(float));
         const int peer = static_cast<int>(c);
-        void* into = landing_of(p).PayloadBuffer(peer, h);
+        void* into = landings.Receive(p, peer, h, grad);
         ASSERT_NE(into, nullptr);
-        std::memcpy(into, grad.data(), h.payload_bytes);
         auto a = std::make_shared<Answer>();
         landing_of(p).Push(peer, 1, h, into, Into(a));
         ASSERT_TRUE(a->done);

@@ -187,7 +187,11 @@ void FrameChannel::OnPayload(Peer* peer, const Status& status) {
 }
 
 void FrameChannel::Deliver(Peer* peer) {
-  if (handler_.try_inline && handler_.try_inline(peer->rank, peer->header, peer->payload, peer->owned)) {
+  Then then;
+  const bool handled =
+      handler_.try_inline && handler_.try_inline(peer->rank, peer->header, peer->payload, peer->owned, then);
+  if (!handled) then = nullptr;  // declined: the whole frame goes to on_frame
+  if (handled && !then) {
     std::unique_ptr<Request> old;
     std::lock_guard lock(peer->mu);
     old = PostHeaderLocked(peer);
@@ -196,6 +200,7 @@ void FrameChannel::Deliver(Peer* peer) {
   {
     std::lock_guard lock(peer->mu);
     peer->frame_ready = true;
+    peer->then = std::move(then);
   }
   // The last thing this completion does: the receiver thread may replace
   // (and so drop) its request at once.
@@ -214,26 +219,39 @@ void FrameChannel::Fail(Peer* peer, const Status& status) {
 
 void FrameChannel::ReceiveLoop(Peer* peer) {
   std::unique_lock lock(peer->mu);
+  bool failed = false;  // on_peer_failed was called
   for (;;) {
     peer->cv.wait(lock, [&] { return stopping_.load() || peer->frame_ready || peer->failure_pending; });
-    if (stopping_.load()) return;
+    // A frame handled inline has its rest run even when stopping, or after
+    // the peer failed (a payload that completed just as it did).
+    if (stopping_.load() && !(peer->frame_ready && peer->then)) return;
     if (peer->frame_ready) {
       peer->frame_ready = false;
+      Then then = std::move(peer->then);
+      peer->then = nullptr;
+      if (failed && !then) continue;  // nothing more is handled from a failed peer
       lock.unlock();
-      handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
+      if (then) {
+        then();
+        then = nullptr;
+      } else {
+        handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
+      }
       lock.lock();
-      std::unique_ptr<Request> old = PostHeaderLocked(peer);
+      std::unique_ptr<Request> old = PostHeaderLocked(peer);  // none once stopping
       lock.unlock();
       old.reset();  // the payload's receive: waits (briefly) for its completion to return
       lock.lock();
       continue;
     }
-    // failure_pending: nothing more is received from this peer.
+    // failure_pending: nothing more is received from this peer. The thread
+    // stays until Stop, for the rest of a frame handled inline meanwhile.
     peer->failure_pending = false;
+    failed = true;
     const Status status = peer->failed;
     lock.unlock();
     if (handler_.on_peer_failed) handler_.on_peer_failed(peer->rank, status);
-    return;
+    lock.lock();
   }
 }
 
@@ -264,6 +282,17 @@ void FrameChannel::Stop() {
   }
   for (auto& peer : peers_) {
     if (peer->receiver.joinable()) peer->receiver.join();
+  }
+  // A frame handled inline just as the channel stopped, after its receiver
+  // thread had left: its rest runs here.
+  for (auto& peer : peers_) {
+    Then then;
+    {
+      std::lock_guard lock(peer->mu);
+      then = std::move(peer->then);
+      peer->then = nullptr;
+    }
+    if (then) then();
   }
 }
 
