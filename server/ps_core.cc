@@ -959,7 +959,16 @@ std::shared_ptr<std::vector<float>> ParameterStore::Buffer(size_t n) {
 std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& h) {
   if (h.type != ps::FrameType::kPush) return nullptr;
   if (!Fp32Wire(h.dtype)) return nullptr;
-  auto part = Find(h.partition);
+  // Called on the transport's completion thread: never waits for the store's
+  // lock (a step being shared holds it while it waits for partitions that
+  // updates hold); without a buffer the push is received and copied.
+  std::shared_ptr<Part> part;
+  {
+    std::unique_lock lock(mu_, std::try_to_lock);
+    if (!lock.owns_lock()) return nullptr;
+    auto it = parts_.find(h.partition);
+    if (it != parts_.end()) part = it->second;
+  }
   if (!part) return nullptr;
   // Without the partition's lock: an update may hold it for a while, and
   // the payload should arrive meanwhile.

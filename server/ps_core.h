@@ -215,7 +215,8 @@ class ParameterStore {
   // partition's accumulator instead of copying the gradient into it: the
   // first contribution of an fp32 step then costs no copy. Empty when that
   // cannot apply (another dtype, a partition this server does not hold, a
-  // size that does not match). The contents are not initialised.
+  // size that does not match, the store's lock held: it never waits for
+  // it). The contents are not initialised.
   std::shared_ptr<std::vector<float>> PushBuffer(const ps::Frame& header);
   // A push whose payload was received into `buffer` (from PushBuffer).
   void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
