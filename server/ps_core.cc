@@ -43,6 +43,14 @@ bool Keepable(const std::shared_ptr<std::vector<float>>& buffer, const void* dat
   return buffer && buffer->data() == data && buffer->size() == n && Fp32Wire(dtype);
 }
 
+// Takes `lock` (over its mutex, not yet held): waits for it when `wait`,
+// else only tries. Returns whether it holds it.
+bool Acquire(std::unique_lock<std::mutex>& lock, bool wait) {
+  if (!wait) return lock.try_lock();
+  lock.lock();
+  return true;
+}
+
 // Appends `work` to what `later` holds.
 void Defer(std::function<void()>* later, std::function<void()> work) {
   if (*later) {
@@ -788,26 +796,21 @@ Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::millisecon
 
 void ParameterStore::StepCompleted(uint32_t partition, uint64_t step, Then* later) {
   // Called without part locks held; copies state for waiting captures.
-  if (later != nullptr) {
-    std::unique_lock lock(mu_, std::try_to_lock);
-    bool wanted = !lock.owns_lock();
-    for (size_t i = 0; !wanted && i < captures_.size(); ++i) {
-      wanted = captures_[i]->step == step && captures_[i]->expected.count(partition) > 0;
-    }
-    if (lock.owns_lock()) lock.unlock();
-    if (wanted) {
-      // Busy, or a checkpoint waits for it (copying the partition's state).
-      Defer(later, [this, partition, step] { StepCompleted(partition, step, nullptr); });
-    } else {
-      changed_.notify_all();
-    }
-    return;
-  }
   std::shared_ptr<Part> part;
   {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_, std::defer_lock);
+    const bool held = Acquire(lock, later == nullptr);
     bool wanted = false;
-    for (auto& c : captures_) wanted = wanted || (c->step == step && c->expected.count(partition) > 0);
+    for (size_t i = 0; held && i < captures_.size(); ++i) {
+      wanted = wanted || (captures_[i]->step == step && captures_[i]->expected.count(partition) > 0);
+    }
+    if (!held || (wanted && later != nullptr)) {
+      // Busy, or a checkpoint waits for the step (copying the partition's
+      // state): on the thread that may block.
+      if (held) lock.unlock();
+      Defer(later, [this, partition, step] { StepCompleted(partition, step, nullptr); });
+      return;
+    }
     if (wanted) {
       auto it = parts_.find(partition);
       if (it != parts_.end()) part = it->second;
@@ -891,11 +894,7 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
     return Unavailable("the partition is busy");
   };
   std::unique_lock lock(mu_, std::defer_lock);
-  if (busy == nullptr) {
-    lock.lock();
-  } else if (!lock.try_lock()) {
-    return declined();
-  }
+  if (!Acquire(lock, busy == nullptr)) return declined();
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server (InitializeParameters)");
   if (h.epoch < epoch_) {
     return FailedPrecondition("epoch {} is stale: this server is at epoch {}; rebuild with the current shard map",
@@ -912,11 +911,7 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
                               member_id_, epoch_);
   }
   std::unique_lock plock(it->second->mu, std::defer_lock);
-  if (busy == nullptr) {
-    plock.lock();
-  } else if (!plock.try_lock()) {
-    return declined();
-  }
+  if (!Acquire(plock, busy == nullptr)) return declined();
   const Part& part = *it->second;
   if (primary && part.role != v1::REPLICA_ROLE_PRIMARY) {
     return FailedPrecondition("this server (member {}) is not the primary of partition {} in epoch {} (member {} is)",
@@ -1032,11 +1027,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   uint64_t epoch, start_step;
   {
     std::unique_lock lock(mu_, std::defer_lock);
-    if (!try_only) {
-      lock.lock();
-    } else if (!lock.try_lock()) {
-      return false;
-    }
+    if (!Acquire(lock, !try_only)) return false;
     consistency = consistency_;
     policy = optimizer_->non_finite_policy();
     dp = dp_size_;
@@ -1049,11 +1040,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   std::unique_lock<std::mutex> plock;
   if (part) {
     plock = std::unique_lock(part->mu, std::defer_lock);
-    if (!try_only) {
-      plock.lock();
-    } else if (!plock.try_lock()) {
-      return false;
-    }
+    if (!Acquire(plock, !try_only)) return false;
   }
   counters_.pushes.fetch_add(1);
   counters_.push_bytes.fetch_add(h.payload_bytes);
@@ -1240,26 +1227,17 @@ void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scal
 
 bool ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions, Then* later) {
   std::unique_lock lock(mu_, std::defer_lock);
-  if (later == nullptr) {
-    lock.lock();
-  } else if (!lock.try_lock()) {
-    return false;
-  }
+  if (!Acquire(lock, later == nullptr)) return false;
   if (epoch != epoch_) return true;
   auto found = rounds_.find({epoch, step});
   if (found != rounds_.end() && found->second.shared) return true;
   std::vector<ps::ShareEntry> entries;
   // Without waiting (`later`), every partition stays locked until the
-  // decision has read them (Decide), and the update must be small.
+  // decision has read them (Decide).
   std::vector<std::unique_lock<std::mutex>> held;
-  uint64_t elements = 0;
   for (auto& [id, part] : parts_) {
     std::unique_lock plock(part->mu, std::defer_lock);
-    if (later == nullptr) {
-      plock.lock();
-    } else if (!plock.try_lock()) {
-      return false;
-    }
+    if (!Acquire(plock, later == nullptr)) return false;
     if (later != nullptr) held.push_back(std::move(plock));
     if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
     const bool decided_before = part->state.step == step;  // share it again
@@ -1267,9 +1245,14 @@ bool ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions,
         part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready;
     if (!decided_before && !aggregated) return true;  // still aggregating
     entries.push_back(part->last_share);
-    elements += part->state.size();
   }
-  if (later != nullptr && elements * sizeof(float) > kInlinePushBytes) return false;
+  if (later != nullptr) {
+    // Only a small server updates on a thread that must not block: its
+    // partitions' locks are then only ever held for small work.
+    uint64_t elements = 0;
+    for (const auto& [id, part] : parts_) elements += part->elements.load(std::memory_order_relaxed);
+    if (elements * sizeof(float) > kInlinePushBytes) return false;
+  }
   Round& round = rounds_[{epoch, step}];
   round.shared = true;
   round.dp = dp_size_;
@@ -1392,24 +1375,12 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
     const std::shared_ptr<Part>& part = parts[i];
     Run(actions);
     // A step decided in an old epoch replicates in the current one.
-    uint64_t current = 0;
-    bool busy = false;
-    {
-      std::unique_lock lock(mu_, std::defer_lock);  // before the partition's lock (lock order)
-      if (later == nullptr) {
-        lock.lock();
-      } else {
-        busy = !lock.try_lock();
-      }
-      if (!busy) current = epoch_;
-    }
+    std::unique_lock lock(mu_, std::defer_lock);  // before the partition's lock (lock order)
+    const bool known = Acquire(lock, later == nullptr);
+    const uint64_t current = known ? epoch_ : 0;
+    if (known) lock.unlock();
     std::unique_lock plock(part->mu, std::defer_lock);
-    if (!busy && later == nullptr) {
-      plock.lock();
-    } else if (!busy) {
-      busy = !plock.try_lock();
-    }
-    if (busy) {
+    if (!known || !Acquire(plock, later == nullptr)) {
       // This partition and the rest on the thread that may block.
       std::vector<std::shared_ptr<Part>> rest(parts.begin() + static_cast<std::ptrdiff_t>(i), parts.end());
       Defer(later, [this, rest = std::move(rest), epoch, step, skip, grad_scale]() mutable {
@@ -1647,11 +1618,7 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
   uint64_t start_step;
   {
     std::unique_lock lock(mu_, std::defer_lock);
-    if (!try_only) {
-      lock.lock();
-    } else if (!lock.try_lock()) {
-      return false;
-    }
+    if (!Acquire(lock, !try_only)) return false;
     sync = IsSync(consistency_);
     start_step = start_step_;
   }
@@ -1659,11 +1626,7 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
   Actions actions;
   {
     std::unique_lock plock(part->mu, std::defer_lock);
-    if (!try_only) {
-      plock.lock();
-    } else if (!plock.try_lock()) {
-      return false;
-    }
+    if (!Acquire(plock, !try_only)) return false;
     counters_.pulls.fetch_add(1);
     PendingPull pull{from, h, 0, std::move(reply)};
     bool refused = false;

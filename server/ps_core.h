@@ -238,8 +238,8 @@ class ParameterStore {
   // asynchronous modes (the update is applied at once) and for larger
   // pushes. When the push completes the server's part of the step, the
   // step is shared and, once decided, applied right there too, as long as
-  // no lock is held and the server's primaries hold at most
-  // kInlinePushBytes of fp32; what cannot be done so (all of it for a larger
+  // no lock is held and the server's partitions (primaries and backups)
+  // hold at most kInlinePushBytes of fp32; what cannot be done so (all of it for a larger
   // server; the rest of a decision from a partition whose lock is held on;
   // sends to backups, whose failure handling may wait for locks; a
   // checkpoint waiting for the step) is left in `later`, for the caller to
