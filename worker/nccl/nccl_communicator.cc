@@ -239,7 +239,11 @@ Result<std::unique_ptr<comm::Communicator>> NcclCommunicator::Create(comm::CommI
 Status NcclCommunicator::SetUp() {
   TANDEM_RETURN_IF_ERROR(UseDevice(device_).WithContext("cannot create " + Where()));
   cudaStream_t stream = nullptr;
-  if (const cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); err != cudaSuccess) {
+  // A blocking stream: it waits for what the caller queued on the legacy
+  // default stream (cudaMemcpy, cudaMemset, kernels launched without a
+  // stream) before a collective starts, and such work queued after waits
+  // for the collective, as a call that takes no stream should behave.
+  if (const cudaError_t err = cudaStreamCreateWithFlags(&stream, cudaStreamDefault); err != cudaSuccess) {
     return Unavailable("cannot create {}: cudaStreamCreateWithFlags on device {}: {}", Where(), device_,
                        CudaError(err));
   }

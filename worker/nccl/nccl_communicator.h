@@ -4,16 +4,14 @@
 //
 // What runs where:
 // - Create() picks the device (NcclOptions::device, or local_rank modulo the
-//   visible devices), makes it current, creates a dedicated non-blocking CUDA
-//   stream and a small device buffer for Barrier(), then exchanges the NCCL
-//   unique id through the Rendezvous: rank 0 calls ncclGetUniqueId and Puts
-//   it, hex-encoded, under "nccl/<name>/<epoch>"; the others Get it (waiting
-//   up to CommInfo::timeout). It then calls ncclCommInitRankConfig with
-//   config.blocking = 0 and polls ncclCommGetAsyncError until NCCL reports
-//   success or an error, or CommInfo::timeout passes (then the half-built NCCL
-//   communicator is aborted and Create returns DEADLINE_EXCEEDED). The key is
-//   written once: one Create per (name, epoch); after a failure, build the
-//   next epoch.
+//   visible devices), makes it current, creates a dedicated CUDA stream
+//   (blocking: ordered with the caller's work on the legacy default stream,
+//   such as cudaMemcpy and cudaMemset into the buffers) and a small device buffer for Barrier(), then exchanges the
+//   NCCL unique id through the Rendezvous: rank 0 calls ncclGetUniqueId and Puts it, hex-encoded, under
+//   "nccl/<name>/<epoch>"; the others Get it (waiting up to CommInfo::timeout). It then calls ncclCommInitRankConfig
+//   with config.blocking = 0 and polls ncclCommGetAsyncError until NCCL reports success or an error, or
+//   CommInfo::timeout passes (then the half-built NCCL communicator is aborted and Create returns DEADLINE_EXCEEDED).
+//   The key is written once: one Create per (name, epoch); after a failure, build the next epoch.
 // - Every operation enqueues its NCCL call on the communicator's stream and
 //   then waits on the calling thread with a bounded poll loop:
 //   ncclCommGetAsyncError (the enqueue itself may still be in progress in
