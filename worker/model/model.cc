@@ -275,6 +275,16 @@ Status ModelConfig::Validate() const {
     return InvalidArgument("model tensor_rank: must be 0 to tensor_parallel - 1 ({}), got {}", tensor_parallel - 1,
                            tensor_rank);
   }
+  if (gpu < -1) return InvalidArgument("model gpu: must be -1 (the CPU) or a CUDA device index, got {}", gpu);
+  if (gpu >= 0 && (pipeline_stages != 1 || tensor_parallel != 1)) {
+    return InvalidArgument(
+        "model gpu: the GPU path runs the whole model (pipeline_stages 1, tensor_parallel 1), got pipeline_stages {} "
+        "and tensor_parallel {}",
+        pipeline_stages, tensor_parallel);
+  }
+  if (gpu >= 0 && activation_checkpointing) {
+    return InvalidArgument("model gpu: activation_checkpointing is for the CPU path; the GPU keeps every activation");
+  }
   if (blas_threads < 0 || blas_threads > 1024) {
     return InvalidArgument("model blas_threads: must be 0 (leave as is) to 1024, got {}", blas_threads);
   }
@@ -372,6 +382,15 @@ void Slice(TensorInfo& t, const ModelConfig& config) {
 }
 
 }  // namespace
+
+double RelativeDifference(std::span<const float> a, std::span<const float> b) {
+  double worst = 0, scale = 0;
+  for (size_t i = 0; i < b.size(); ++i) {
+    worst = std::max(worst, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return worst / (scale > 0 ? scale : 1.0);
+}
 
 size_t WholeElement(const TensorInfo& t, size_t i) {
   const auto cols = static_cast<size_t>(t.col_end - t.col_begin);
@@ -549,6 +568,21 @@ Result<Model> Model::Create(const ModelConfig& config, bool initialize) {
   TANDEM_RETURN_IF_ERROR(config.Validate());
   if (config.blas_threads > 0) SetBlasThreads(config.blas_threads);
   Model model(config);
+  if (config.gpu >= 0) {
+    std::vector<size_t> offsets;
+    offsets.reserve(model.layout_.size());
+    for (const TensorInfo& t : model.layout_) offsets.push_back(t.offset);
+    const GpuModelShape shape{.vocab = config.vocab,
+                              .context = config.context,
+                              .d_model = config.d_model,
+                              .heads = config.heads,
+                              .layers = config.layers,
+                              .mlp_ratio = config.mlp_ratio,
+                              .gpu = config.gpu};
+    auto engine = GpuEngine::Create(shape, std::move(offsets), model.params_.size());
+    if (!engine.ok()) return engine.status();
+    model.gpu_ = std::move(*engine);
+  }
   if (initialize) model.Initialize();
   return model;
 }
@@ -811,6 +845,16 @@ void Model::UseSlot(int slot) {
 void Model::SetSlots(int slots) {
   UseSlot(0);
   stored_.resize(static_cast<size_t>(std::max(slots, 1)));
+  if (gpu_) gpu_->SetSlots(std::max(slots, 1));
+}
+
+std::span<const float> Model::logits() {
+  UseSlot(0);
+  if (gpu_) {
+    if (!gpu_->Logits(0, &logits_).ok()) logits_.clear();
+    return logits_;
+  }
+  return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()};
 }
 
 std::span<const float> Model::output(int slot) {
@@ -828,6 +872,7 @@ std::span<const float> Model::input_grad(int slot) {
 }
 
 size_t Model::activation_bytes() const {
+  if (gpu_) return gpu_->activation_bytes();
   size_t bytes = tokens_.capacity() + targets_.capacity();
   for (const Workspace& w : stored_) {
     bytes += w.tokens.capacity() + w.targets.capacity();
@@ -962,6 +1007,7 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
       return InvalidArgument("model forward: target {} at {} is not below vocab {}", targets[i], i, V);
     }
   }
+  if (gpu_) return GpuForward(tokens, targets, batch, slot);
   UseSlot(slot);
   EnsureWorkspace(batch);
   have_targets_ = false;
@@ -1090,10 +1136,47 @@ Result<float> Model::Forward(const uint8_t* tokens, const uint8_t* targets, int 
   return static_cast<float>(loss / static_cast<double>(N));
 }
 
+Result<float> Model::GpuForward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot) {
+  if (!access_.paged) gpu_->PinHost(params_.data(), grads_.data(), params_.size());
+  // The parameters go to the device as the runtime hands them out: segment by
+  // segment with on-demand access (each released once it is on its way), or
+  // all at once.
+  if (access_.acquire) {
+    SegmentWalk walk(access_, Segments());
+    for (const FlatRange& segment : Segments()) {
+      TANDEM_RETURN_IF_ERROR(walk.Acquire());
+      const Status uploaded = gpu_->Upload(segment.first, segment.second, params_.data());
+      walk.Release();
+      TANDEM_RETURN_IF_ERROR(uploaded);
+    }
+  } else {
+    TANDEM_RETURN_IF_ERROR(gpu_->Upload(0, params_.size(), params_.data()));
+  }
+  return gpu_->Forward(tokens, targets, batch, slot);
+}
+
 Status Model::Backward(GradMode mode, float scale, const std::function<void(size_t ready_from)>& on_ready, int slot,
                        const float* output_grad) {
   if (slot < 0 || slot >= slots()) {
     return InvalidArgument("model backward: slot {} is not below the model's {} slots", slot, slots());
+  }
+  if (gpu_) {
+    TANDEM_RETURN_IF_ERROR(gpu_->Backward(mode == GradMode::kAccumulate, scale, grads_.data(), on_ready, slot));
+    // Backward read the parameters Forward uploaded. With on-demand access
+    // each segment is still taken and given back in backward's order (as the
+    // CPU path takes them), so the runtime sees the same passes either way.
+    if (access_.acquire) {
+      std::vector<FlatRange> segments = Segments();
+      segments.erase(segments.begin());  // the embeddings' backward reads no parameters
+      std::reverse(segments.begin(), segments.end());
+      const size_t count = segments.size();
+      SegmentWalk walk(access_, std::move(segments));
+      for (size_t i = 0; i < count; ++i) {
+        TANDEM_RETURN_IF_ERROR(walk.Acquire());
+        walk.Release();
+      }
+    }
+    return Status::Ok();
   }
   UseSlot(slot);
   if (!have_targets_) {

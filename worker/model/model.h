@@ -88,6 +88,20 @@
 // Forward and Backward take the slot to use (Backward of a slot uses what
 // Forward of that slot kept).
 //
+// GPU. With ModelConfig::gpu = d >= 0 the forward and backward run on CUDA
+// device d (gpu_engine.h): the same computation, the matrix products through
+// cuBLAS in fp32 and the rest as CUDA kernels, equal to the CPU's within fp32
+// rounding (only the order of additions differs). params() and grads() stay
+// on the host, where the runtime uses them: Forward uploads the parameters
+// (segment by segment through ParameterAccess, as the CPU path reads them)
+// and Backward downloads each run of final gradients before on_ready reports
+// it. Unless the access is paged (sharded placement hands pages back), both
+// host buffers are page-locked at the first Forward, so the copies run at
+// the link's speed and overlap the device's work. The whole model only: one pipeline stage, one tensor rank, and no
+// activation checkpointing (Validate says so); slots work as on the CPU.
+// Create fails with FAILED_PRECONDITION, naming why, when the build has no
+// CUDA or the device cannot be used.
+//
 // Thread safety: a Model is a value with no shared state; one thread at a
 // time may use it. SetBlasThreads is process-wide.
 #pragma once
@@ -105,6 +119,7 @@
 #include "common/page_buffer.h"
 #include "common/status.h"
 #include "tandem/v1/types.pb.h"
+#include "worker/model/gpu_engine.h"
 
 namespace tandem::model {
 
@@ -128,6 +143,9 @@ struct ModelConfig {
   // (see the top of this file); 1 rank is the whole model.
   int tensor_parallel = 1;
   int tensor_rank = 0;
+  // Where forward and backward run: -1 on the CPU, else on this CUDA device
+  // (see "GPU" at the top of this file).
+  int gpu = -1;
 
   // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
   Status Validate() const;
@@ -184,6 +202,11 @@ std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
 // The element of the whole model's flat buffer that element i (< t.size)
 // of a tensor-parallel rank's tensor t holds (TensorInfo's rows and columns).
 size_t WholeElement(const TensorInfo& t, size_t i);
+
+// max |a[i] - b[i]| over max |b[i]| (over max 1 when b is all zeros): how far
+// a (the GPU's values, say) is from b (the CPU's), relative to b's scale.
+// REQUIRES: a.size() >= b.size()
+double RelativeDifference(std::span<const float> a, std::span<const float> b);
 
 // What the parameter servers hold: every (pipeline stage, tensor rank) part
 // of the configuration's split, part stage·tensor_parallel + rank after
@@ -315,7 +338,11 @@ class Model {
   // attn.proj and ln2, mlp.fc, mlp.proj), ln_f and the head (last stage).
   std::vector<FlatRange> Segments() const;
   // Installs (or, with empty functions, removes) on-demand parameter access.
-  void SetParameterAccess(ParameterAccess access) { access_ = std::move(access); }
+  // On a GPU, paged buffers are unpinned first (see "GPU" above).
+  void SetParameterAccess(ParameterAccess access) {
+    if (gpu_ && access.paged) gpu_->UnpinHost();
+    access_ = std::move(access);
+  }
   // The tp group's all-reduce (tensor_parallel > 1; Forward and Backward
   // fail with FAILED_PRECONDITION without one). Its errors end the pass.
   void SetTensorParallel(TpAllReduce all_reduce) { all_reduce_ = std::move(all_reduce); }
@@ -367,10 +394,10 @@ class Model {
 
   // The last Forward's logits, [batch, T, vocab] (slot 0, the last stage;
   // with tensor parallelism this rank's vocabulary slice, [batch, T, V/T]).
-  std::span<const float> logits() {
-    UseSlot(0);
-    return {logits_.data(), static_cast<size_t>(batch_) * rows_per_seq()};
-  }
+  // On a GPU, a copy made by this call (empty if the copy failed).
+  std::span<const float> logits();
+  // On a GPU: the device, as "NVIDIA H100 80GB HBM3 (device 0, ...)"; else "".
+  std::string gpu_description() const { return gpu_ ? gpu_->Describe() : std::string(); }
 
   // Bytes of activation workspace allocated now (everything Forward and
   // Backward keep between or use within calls; 0 before the first Forward).
@@ -413,6 +440,9 @@ class Model {
   Status BlockInternals(const BlockTensors& w, const BlockActivations& a, const float* input,
                         const std::function<Status()>& next = nullptr);
 
+  // The GPU path of Forward and Backward (ModelConfig::gpu >= 0).
+  Result<float> GpuForward(const uint8_t* tokens, const uint8_t* targets, int batch, int slot);
+
   ModelConfig config_;
   std::vector<TensorInfo> layout_;
   StagePlan stage_;
@@ -421,6 +451,8 @@ class Model {
   std::vector<float> tp_scratch_;  // the cross-entropy's row maxima and sums, [3N]
   PageBuffer params_;              // this stage's range of the flat buffer
   PageBuffer grads_;
+  // ModelConfig::gpu >= 0. After the buffers, so it goes first: it unpins them.
+  std::unique_ptr<GpuEngine> gpu_;
   ParameterAccess access_;
   // The stage-relative span of the tensors whose names start with any of
   // `prefixes`.

@@ -264,6 +264,7 @@ ModelBinding BindingOf(Setup& s, const model::ModelConfig& whole, Runtime* runti
       auto m = model::Model::Create(c, /*initialize=*/!sharded);
       if (!m.ok()) return m.status();
       s.model = std::make_unique<model::Model>(std::move(*m));
+      if (c.gpu >= 0) spdlog::info("the model's forward and backward run on {}", s.model->gpu_description());
       // Replicated too: the forward after a step waits in Acquire for the
       // parameters still landing from the servers.
       model::ParameterAccess access;
@@ -549,6 +550,10 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
   o.Bool("train.activation_checkpointing", &c->activation_checkpointing,
          "keep only each block's input and recompute the rest during backward");
   o.Int("train.blas_threads", &c->blas_threads, "BLAS threads of this worker", 1, 1024);
+  o.Int("train.gpu", &c->gpu,
+        "CUDA device on which this worker runs the model's forward and backward (-1: the CPU; workers may share a "
+        "device)",
+        -1, 1024);
   o.Choice("train.optimizer", &c->optimizer, {"adamw", "adam", "sgd"}, "update rule");
   o.Double("train.lr", &c->lr, "peak learning rate", 0, 1e6);
   o.Double("train.weight_decay", &c->weight_decay,
@@ -607,6 +612,8 @@ std::vector<std::string> TrainFlags(const TrainConfig& c) {
                                 std::to_string(c.layers),
                                 "--train-blas-threads",
                                 std::to_string(c.blas_threads),
+                                "--train-gpu",
+                                std::to_string(c.gpu),
                                 "--train-optimizer",
                                 c.optimizer,
                                 "--train-lr",
@@ -657,6 +664,7 @@ Result<model::ModelConfig> ModelConfigOf(const TrainConfig& c) {
   m.seed = static_cast<uint64_t>(c.seed);
   m.blas_threads = static_cast<int>(c.blas_threads);
   m.activation_checkpointing = c.activation_checkpointing;
+  m.gpu = static_cast<int>(c.gpu);
   TANDEM_RETURN_IF_ERROR(m.Validate().WithContext("train"));
   return m;
 }

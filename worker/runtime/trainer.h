@@ -58,6 +58,7 @@ struct TrainConfig {
   int64_t layers = 4;
   bool activation_checkpointing = false;
   int64_t blas_threads = 1;
+  int64_t gpu = -1;  // the CUDA device of the model's forward and backward; -1: the CPU
   // The optimizer.
   std::string optimizer = "adamw";
   double lr = 3e-3;
