@@ -45,6 +45,9 @@ int BenchOptimizerCommand(int argc, char** argv);
 int BenchPsCommand(int argc, char** argv);
 // tandem bench train: tokens/s of each training mode beside one process.
 int BenchTrainCommand(int argc, char** argv);
+// tandem bench model: the reference model's forward and backward on the CPU,
+// a GPU and PyTorch on that GPU.
+int BenchModelCommand(int argc, char** argv);
 // tandem bench pipeline: measured idle fraction of pipeline stages beside the
 // analytic bubble.
 int BenchPipelineCommand(int argc, char** argv);

@@ -133,11 +133,22 @@ TEST(BenchCommandTest, ABadFlagIsNamedAndNothingRuns) {
            {"bench ps --min-bytes 1KiB", "--min-bytes: 1KiB is out of range"},
            {"bench ps --dtype fp8", "--dtype"},
            {"bench ps --min-bytes 1MiB --max-bytes 64KiB", "--max-bytes"},
-           {"bench allreduce --np 0", "--np"}}) {
+           {"bench allreduce --np 0", "--np"},
+           {"bench model --batches 8,x", "--batches: 'x' is not a batch size"},
+           {"bench model --batches ,", "--batches: name at least one batch size"},
+           {"bench model --heads 3", "heads: must divide d_model"}}) {
     const auto r = Tandem(args, std::chrono::seconds(30));
     EXPECT_FALSE(r.exit.success()) << args << ": " << r.output;
     EXPECT_NE(r.output.find(want), std::string::npos) << args << ": " << r.output;
   }
+}
+
+// Without a GPU (as in CI) the model bench says why it cannot run, naming the
+// device; with one it runs (docs/benchmarks.md has the numbers of a lent GPU).
+TEST(BenchCommandTest, ModelNamesTheGpuItCannotUse) {
+  const auto r = Tandem("bench model --device 7 --batches 1 --torch=false", std::chrono::seconds(60));
+  EXPECT_FALSE(r.exit.success()) << r.output;
+  EXPECT_NE(r.output.find("model gpu: device 7"), std::string::npos) << r.output;
 }
 
 }  // namespace
