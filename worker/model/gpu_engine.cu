@@ -63,12 +63,17 @@ __global__ void EncoderForward(float* out, const uint8_t* tokens, const float* w
   out[idx] = wte[static_cast<size_t>(tokens[i]) * C + j] + wpe[(i % static_cast<size_t>(T)) * C + j];
 }
 
+// dwpe[t] += Σ over the batch of dout[b, t]; blockIdx.y takes kPositionChunk
+// sequences of the batch, whose sum is added atomically.
+constexpr int kPositionChunk = 64;
 __global__ void EncoderBackwardPositions(float* dwpe, const float* dout, int B, int T, int C) {
   const size_t idx = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (idx >= static_cast<size_t>(T) * C) return;
+  const int first = static_cast<int>(blockIdx.y) * kPositionChunk;
+  const int last = first + kPositionChunk < B ? first + kPositionChunk : B;
   float sum = 0;
-  for (int b = 0; b < B; ++b) sum += dout[static_cast<size_t>(b) * T * C + idx];
-  dwpe[idx] += sum;
+  for (int b = first; b < last; ++b) sum += dout[static_cast<size_t>(b) * T * C + idx];
+  atomicAdd(&dwpe[idx], sum);
 }
 
 __global__ void EncoderBackwardTokens(float* dwte, const float* dout, const uint8_t* tokens, size_t n, int C) {
@@ -143,21 +148,25 @@ __global__ void AddBias(float* out, const float* b, size_t n, int oc) {
 }
 
 // db[o] += Σ rows of dout[:, o]. A block of 32 × 8 threads takes 32
-// columns: each thread sums every 8th row of its column (a warp reads 32
-// consecutive floats of a row), then the 8 partial sums are added.
+// columns of kBiasChunk rows (blockIdx.y picks the rows): each thread sums
+// every 8th row of its column (a warp reads 32 consecutive floats of a row),
+// the 8 partial sums are added, and the block adds its sum to db.
 constexpr int kBiasRows = 8;
-__global__ void BiasBackward(float* db, const float* dout, size_t n, int oc) {
+constexpr size_t kBiasChunk = 1024;  // rows per block, or more when n needs over 65535 blocks
+__global__ void BiasBackward(float* db, const float* dout, size_t n, int oc, size_t chunk) {
   __shared__ float partial[kBiasRows][kWarp];
   const int o = static_cast<int>(blockIdx.x) * kWarp + static_cast<int>(threadIdx.x);
+  const size_t first = static_cast<size_t>(blockIdx.y) * chunk;
+  const size_t last = first + chunk < n ? first + chunk : n;
   float sum = 0;
   if (o < oc) {
-    for (size_t i = threadIdx.y; i < n; i += kBiasRows) sum += dout[i * oc + o];
+    for (size_t i = first + threadIdx.y; i < last; i += kBiasRows) sum += dout[i * oc + o];
   }
   partial[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y != 0 || o >= oc) return;
   for (int r = 1; r < kBiasRows; ++r) sum += partial[r][threadIdx.x];
-  db[o] += sum;
+  atomicAdd(&db[o], sum);
 }
 
 __global__ void AddInPlace(float* out, const float* in, size_t n) {
@@ -573,7 +582,9 @@ class CudaEngine final : public GpuEngine {
           LayerNormBack(s.dres, g.ln1_w, g.ln1_b, s.dln, residual, w.ln1_w, a.ln1_mean, a.ln1_rstd, N, C));
       TANDEM_RETURN_IF_ERROR(ready(offsets_[2 + 12 * static_cast<size_t>(l)]));
     }
-    EncoderBackwardPositions<<<Blocks(static_cast<size_t>(T) * C), kThreads, 0, stream_>>>(G(1), s.dres, B, T, C);
+    const dim3 positions(Blocks(static_cast<size_t>(T) * C),
+                         static_cast<unsigned>((B + kPositionChunk - 1) / kPositionChunk));
+    EncoderBackwardPositions<<<positions, kThreads, 0, stream_>>>(G(1), s.dres, B, T, C);
     EncoderBackwardTokens<<<Blocks(NC), kThreads, 0, stream_>>>(G(0), s.dres, s.tokens, N, C);
     TANDEM_LAUNCHED();
     TANDEM_RETURN_IF_ERROR(ready(0));
@@ -745,7 +756,9 @@ class CudaEngine final : public GpuEngine {
     TANDEM_CUBLAS(cublasSgemm(cublas_, CUBLAS_OP_N, CUBLAS_OP_N, ic, rows, oc, &one, w, ic, dout, oc, &zero, dinp, ic));
     TANDEM_CUBLAS(cublasSgemm(cublas_, CUBLAS_OP_N, CUBLAS_OP_T, ic, oc, rows, &one, inp, ic, dout, oc, &one, dw, ic));
     if (db != nullptr) {
-      BiasBackward<<<Blocks(static_cast<size_t>(oc), kWarp), dim3(kWarp, kBiasRows), 0, stream_>>>(db, dout, n, oc);
+      const size_t chunk = std::max(kBiasChunk, (n + 65534) / 65535);
+      const dim3 grid(Blocks(static_cast<size_t>(oc), kWarp), static_cast<unsigned>((n + chunk - 1) / chunk));
+      BiasBackward<<<grid, dim3(kWarp, kBiasRows), 0, stream_>>>(db, dout, n, oc, chunk);
       TANDEM_LAUNCHED();
     }
     return Status::Ok();
