@@ -130,11 +130,7 @@ int BenchModelCommand(int argc, char** argv) {
   options.Bool("json", &json, "print one JSON object per batch size instead of the table");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   std::vector<int64_t> batches;
-  for (size_t at = 0; at <= batches_text.size();) {
-    const size_t comma = std::min(batches_text.find(',', at), batches_text.size());
-    const std::string item = batches_text.substr(at, comma - at);
-    at = comma + 1;
-    if (item.empty()) continue;
+  for (const std::string& item : SplitList(batches_text)) {
     char* end = nullptr;
     const long long v = std::strtoll(item.c_str(), &end, 10);
     if (end == item.c_str() || *end != '\0' || v < 1 || v > (1 << 20)) {

@@ -30,19 +30,6 @@ struct Row {
   double last_loss = 0;
 };
 
-std::vector<std::string> Split(const std::string& s) {
-  std::vector<std::string> out;
-  size_t start = 0;
-  while (start <= s.size()) {
-    const size_t comma = s.find(',', start);
-    const std::string item = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
-    if (!item.empty()) out.push_back(item);
-    if (comma == std::string::npos) break;
-    start = comma + 1;
-  }
-  return out;
-}
-
 }  // namespace
 
 int BenchTrainCommand(int argc, char** argv) {
@@ -129,7 +116,7 @@ int BenchTrainCommand(int argc, char** argv) {
     }
   };
   print_row(rows.front());
-  for (const std::string& mode : Split(modes)) {
+  for (const std::string& mode : SplitList(modes)) {
     if (shutdown.requested()) break;
     if (!worker::ParseTrainingMode(mode).ok()) {
       fmt::print(stderr, "tandem bench train: --modes: '{}' is not one of hybrid, allreduce, ps\n", mode);

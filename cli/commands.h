@@ -22,6 +22,8 @@ std::string JsonQuote(std::string_view s);
 std::string JsonNumber(std::optional<double> v, int precision);
 // The median of `v` (0 when empty).
 double Median(std::vector<double> v);
+// The items of a comma-separated list, empty items left out ("a,,b" -> a, b).
+std::vector<std::string> SplitList(const std::string& s);
 
 // tandem run: start a local cluster on this machine (see run_command.cc).
 int RunCommand(int argc, char** argv);

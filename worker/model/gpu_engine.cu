@@ -302,10 +302,8 @@ const char* CublasName(cublasStatus_t s) {
 // Checks the launch of the kernels just queued.
 #define TANDEM_LAUNCHED() TANDEM_CUDA(cudaGetLastError())
 
-struct BlockParams {
-  const float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
-};
-struct BlockGrads {
+// One block's twelve tensors in a flat buffer (the parameters or the gradients).
+struct BlockTensors {
   float *ln1_w, *ln1_b, *qkv_w, *qkv_b, *proj_w, *proj_b, *ln2_w, *ln2_b, *fc_w, *fc_b, *fcproj_w, *fcproj_b;
 };
 
@@ -390,9 +388,6 @@ class CudaEngine final : public GpuEngine {
     TANDEM_CUBLAS(cublasSetMathMode(cublas_, CUBLAS_DEFAULT_MATH));
     TANDEM_CUDA(cudaMalloc(&params_, num_parameters_ * sizeof(float)));
     TANDEM_CUDA(cudaMalloc(&grads_, num_parameters_ * sizeof(float)));
-    // Gradients come back through pinned memory, so their download runs
-    // while the device goes on with the next layer (Backward).
-    TANDEM_CUDA(cudaMallocHost(&staging_, num_parameters_ * sizeof(float)));
     for (cudaEvent_t& e : downloaded_) TANDEM_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
     slots_.resize(1);
     return Status::Ok();
@@ -461,7 +456,7 @@ class CudaEngine final : public GpuEngine {
     TANDEM_LAUNCHED();
     const float* residual = s.encoded;
     for (int l = 0; l < L; ++l) {
-      const BlockParams w = ParamsOf(l);
+      const BlockTensors w = BlockOf(params_, l);
       const Acts a = ActsOf(s, l);
       LayerNormForward<<<Blocks(N * kWarp), kThreads, 0, stream_>>>(a.ln1, a.ln1_mean, a.ln1_rstd, residual, w.ln1_w,
                                                                     w.ln1_b, N, C);
@@ -524,6 +519,11 @@ class CudaEngine final : public GpuEngine {
     // earlier, is waited for, moved into host_grads (from staging) and
     // reported. So the copies and on_ready (the runtime's sends) overlap
     // the device's next layer.
+    if (host_grads != pinned_grads_ && staging_ == nullptr) {
+      // Host gradients that are not page-locked (paged buffers): a pinned
+      // staging buffer, taken the first time it is needed.
+      TANDEM_CUDA(cudaMallocHost(&staging_, num_parameters_ * sizeof(float)));
+    }
     float* const landing = host_grads == pinned_grads_ ? host_grads : staging_;
     size_t done = num_parameters_;
     struct Pending {
@@ -565,8 +565,8 @@ class CudaEngine final : public GpuEngine {
     TANDEM_RETURN_IF_ERROR(ready(offsets_[head]));
 
     for (int l = L - 1; l >= 0; --l) {
-      const BlockParams w = ParamsOf(l);
-      const BlockGrads g = GradsOf(l);
+      const BlockTensors w = BlockOf(params_, l);
+      const BlockTensors g = BlockOf(grads_, l);
       const Acts a = ActsOf(s, l);
       const float* residual = l == 0 ? s.encoded : ActsOf(s, l - 1).res_mlp;
       TANDEM_RETURN_IF_ERROR(LinearBackward(s.dfch, g.fcproj_w, g.fcproj_b, s.dres, a.fch_gelu, w.fcproj_w, N, F, C));
@@ -714,15 +714,11 @@ class CudaEngine final : public GpuEngine {
 
   const float* P(size_t tensor) const { return params_ + offsets_[tensor]; }
   float* G(size_t tensor) const { return grads_ + offsets_[tensor]; }
-  BlockParams ParamsOf(int l) const {
-    const size_t b = 2 + 12 * static_cast<size_t>(l);
-    return BlockParams{P(b),     P(b + 1), P(b + 2), P(b + 3), P(b + 4),  P(b + 5),
-                       P(b + 6), P(b + 7), P(b + 8), P(b + 9), P(b + 10), P(b + 11)};
-  }
-  BlockGrads GradsOf(int l) const {
-    const size_t b = 2 + 12 * static_cast<size_t>(l);
-    return BlockGrads{G(b),     G(b + 1), G(b + 2), G(b + 3), G(b + 4),  G(b + 5),
-                      G(b + 6), G(b + 7), G(b + 8), G(b + 9), G(b + 10), G(b + 11)};
+  // Block l's tensors in `base` (params_ or grads_), in the layout's order.
+  BlockTensors BlockOf(float* base, int l) const {
+    const size_t* t = offsets_.data() + 2 + 12 * static_cast<size_t>(l);
+    return BlockTensors{base + t[0], base + t[1], base + t[2], base + t[3], base + t[4],  base + t[5],
+                        base + t[6], base + t[7], base + t[8], base + t[9], base + t[10], base + t[11]};
   }
 
   Status LayerNormBack(float* dinp, float* dw, float* db, const float* dout, const float* inp, const float* w,
@@ -839,7 +835,7 @@ class CudaEngine final : public GpuEngine {
   bool initialized_ = false;
   int multiprocessors_ = 1;
   std::string describe_;
-  float* staging_ = nullptr;        // pinned, num_parameters_: gradients on their way to the host
+  float* staging_ = nullptr;        // pinned, num_parameters_, only for unpinned host gradients
   float* pinned_params_ = nullptr;  // the host buffers PinHost pinned
   float* pinned_grads_ = nullptr;
   cudaEvent_t downloaded_[2] = {};  // one per download in flight

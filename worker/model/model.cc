@@ -1142,8 +1142,9 @@ Result<float> Model::GpuForward(const uint8_t* tokens, const uint8_t* targets, i
   // segment with on-demand access (each released once it is on its way), or
   // all at once.
   if (access_.acquire) {
-    SegmentWalk walk(access_, Segments());
-    for (const FlatRange& segment : Segments()) {
+    const std::vector<FlatRange> segments = Segments();
+    SegmentWalk walk(access_, segments);
+    for (const FlatRange& segment : segments) {
       TANDEM_RETURN_IF_ERROR(walk.Acquire());
       const Status uploaded = gpu_->Upload(segment.first, segment.second, params_.data());
       walk.Release();
@@ -1164,7 +1165,9 @@ Status Model::Backward(GradMode mode, float scale, const std::function<void(size
     TANDEM_RETURN_IF_ERROR(gpu_->Backward(mode == GradMode::kAccumulate, scale, grads_.data(), on_ready, slot));
     // Backward read the parameters Forward uploaded. With on-demand access
     // each segment is still taken and given back in backward's order (as the
-    // CPU path takes them), so the runtime sees the same passes either way.
+    // CPU path takes them), so the runtime sees the same passes either way:
+    // in sharded placement each take is a gather every worker of the node
+    // joins, so a worker must not leave one out.
     if (access_.acquire) {
       std::vector<FlatRange> segments = Segments();
       segments.erase(segments.begin());  // the embeddings' backward reads no parameters
