@@ -584,6 +584,35 @@ TEST_P(UcxPathTest, RefusedOperationsStillCompleteOnTheProgressThread) {
   EXPECT_EQ(bad_peer->Wait(kWait).code(), StatusCode::kInvalidArgument);
 }
 
+// WaitPosted returns once the operations posted before it are started by
+// the progress thread: a refused one is finished right there, so its
+// completion has run by then. From the progress thread itself (a
+// completion) it returns at once instead of waiting for itself.
+TEST_P(UcxPathTest, WaitPostedReturnsOnceEarlierOperationsAreStarted) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  g[0]->WaitPosted();  // nothing posted
+  int64_t value = 0;
+  for (int i = 0; i < 50; ++i) {
+    std::atomic<bool> finished{false};
+    auto request = g[0]->SendAsync(5, 1, &value, sizeof(value), [&](const Status&) { finished.store(true); });
+    g[0]->WaitPosted();
+    EXPECT_TRUE(finished.load()) << "iteration " << i;
+    EXPECT_EQ(request->Wait(kWait).code(), StatusCode::kInvalidArgument);
+  }
+  std::atomic<bool> inside{false};
+  const auto start = std::chrono::steady_clock::now();
+  auto request = g[0]->SendAsync(5, 1, &value, sizeof(value), [&](const Status&) {
+    g[0]->WaitPosted();
+    inside.store(true);
+  });
+  (void)request->Wait(kWait);
+  request.reset();  // returns once the completion has run
+  EXPECT_TRUE(inside.load());
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(500))
+      << "WaitPosted on the progress thread waited for itself";
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
                          ::testing::Values(PathConfig{"SharedMemoryCopy", "", true},
                                            PathConfig{"SharedMemoryCma", "", false}, PathConfig{"Tcp", "tcp", true}),

@@ -232,6 +232,8 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
       if (failed && !then) continue;  // nothing more is handled from a failed peer
       lock.unlock();
       if (then) {
+        // The frame's replies, sent on the completion thread, go out first.
+        transport_->WaitPosted();
         then();
         then = nullptr;
       } else {

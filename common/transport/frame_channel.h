@@ -118,6 +118,10 @@ class FrameChannel {
             std::shared_ptr<const void> keep = nullptr);
   // Sends with a payload the channel owns.
   void Send(int peer, ps::Frame header, std::vector<char> payload, SendDone done = nullptr);
+  // Returns once the frames this thread sent are handed to the network
+  // (Transport::WaitPosted): for a thread with long work to do next, whose
+  // replies should not wait for it.
+  void WaitPosted() { transport_->WaitPosted(); }
 
   // Whether `peer` failed (and why).
   Status PeerStatus(int peer) const;

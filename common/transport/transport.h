@@ -67,6 +67,13 @@ class Transport {
   virtual std::unique_ptr<Request> SendAsync(int peer, uint64_t tag, const void* data, size_t bytes,
                                              Completion done) = 0;
   virtual std::unique_ptr<Request> RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) = 0;
+  // Returns once the operations this thread posted before the call are
+  // handed to the network (their completions may still be pending), so that
+  // what the thread does next does not hold them up: a transport whose
+  // operations are started by a thread of its own may otherwise not start
+  // them until this thread gives up its core. Does not wait on that thread
+  // itself, or on a transport that starts operations inside the call.
+  virtual void WaitPosted() {}
 };
 
 // A request that is already complete, with `status`.

@@ -652,6 +652,10 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   auto OnProgressThread(F&& fn) -> decltype(fn());
   void WakeLocked() TANDEM_REQUIRES(mu_);
 
+ public:
+  void WaitPosted();
+
+ private:
   // Progress thread.
   void Run();
   bool RunQueued();
@@ -692,6 +696,11 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   bool sleeping_ TANDEM_GUARDED_BY(mu_) = false;
   bool connected_ TANDEM_GUARDED_BY(mu_) = false;
   std::vector<std::shared_ptr<Op>> posted_ TANDEM_GUARDED_BY(mu_);
+  // Batches of posted_ the progress thread took, and started (WaitPosted).
+  uint64_t batches_taken_ TANDEM_GUARDED_BY(mu_) = 0;
+  uint64_t batches_started_ TANDEM_GUARDED_BY(mu_) = 0;
+  int posted_waiters_ TANDEM_GUARDED_BY(mu_) = 0;
+  std::condition_variable started_cv_;
   std::vector<std::shared_ptr<Op>> cancels_ TANDEM_GUARDED_BY(mu_);
   std::vector<std::function<void()>> tasks_ TANDEM_GUARDED_BY(mu_);
   std::vector<std::string> summaries_ TANDEM_GUARDED_BY(mu_);
@@ -896,6 +905,7 @@ void UcxTransport::Core::Shutdown() {
     stopping_.store(true);
     WakeLocked();
   }
+  started_cv_.notify_all();  // WaitPosted returns
   if (thread_.joinable()) thread_.join();
 }
 
@@ -923,6 +933,18 @@ auto UcxTransport::Core::OnProgressThread(F&& fn) -> decltype(fn()) {
     WakeLocked();
   }
   return result.get();
+}
+
+void UcxTransport::Core::WaitPosted() {
+  if (t_progress_core == this) return;  // they start when the running callback returns
+  std::unique_lock<std::mutex> lock(mu_);
+  // What is queued goes with the next batch; a batch taken but not started
+  // yet may hold this thread's operations too.
+  const uint64_t target = batches_taken_ + (posted_.empty() ? 0 : 1);
+  if (batches_started_ >= target || stopping_.load()) return;
+  ++posted_waiters_;
+  started_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return batches_started_ >= target || stopping_.load(); });
+  --posted_waiters_;
 }
 
 void UcxTransport::Core::WakeLocked() {
@@ -1495,14 +1517,25 @@ bool UcxTransport::Core::RunQueued() {
   if (!work_.load(std::memory_order_acquire)) return false;
   std::vector<std::shared_ptr<Op>> posted, cancels;
   std::vector<std::function<void()>> tasks;
+  uint64_t batch = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
     posted.swap(posted_);
     cancels.swap(cancels_);
     tasks.swap(tasks_);
     work_.store(false, std::memory_order_relaxed);
+    if (!posted.empty()) batch = ++batches_taken_;
   }
   for (auto& op : posted) Start(op);
+  if (batch != 0) {
+    bool waiters = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      batches_started_ = batch;
+      waiters = posted_waiters_ > 0;
+    }
+    if (waiters) started_cv_.notify_all();
+  }
   for (auto& op : cancels) Cancel(op);
   for (auto& task : tasks) task();
   return !posted.empty() || !cancels.empty() || !tasks.empty();
@@ -1707,6 +1740,10 @@ std::unique_ptr<Request> UcxTransport::SendAsync(int peer, uint64_t tag, const v
 
 std::unique_ptr<Request> UcxTransport::RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) {
   return core_->Submit(Op::Kind::kRecv, peer, tag, false, data, bytes, std::move(done));
+}
+
+void UcxTransport::WaitPosted() {
+  core_->WaitPosted();
 }
 
 }  // namespace tandem::transport

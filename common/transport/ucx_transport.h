@@ -228,6 +228,9 @@ class UcxTransport final : public Transport {
   // Completions run on the progress thread.
   std::unique_ptr<Request> SendAsync(int peer, uint64_t tag, const void* data, size_t bytes, Completion done) override;
   std::unique_ptr<Request> RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) override;
+  // Operations are started by the progress thread: waits (up to a second)
+  // until it has started those posted before the call.
+  void WaitPosted() override;
 
   class Core;  // implementation detail (ucx_transport.cc)
 
