@@ -309,6 +309,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         part.agg_epoch = 0;
         part.ready = false;
       }
+      SetScanPending(part, false);
       part.early.clear();
       part.clocks.clear();
       if (role == v1::REPLICA_ROLE_PRIMARY && part.backup == 0) part.safe_step = part.state.step;
@@ -337,6 +338,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         // Kept past the erase: the partition dies (if it does) after its lock is released.
         std::shared_ptr<Part> gone = it->second;
         std::lock_guard plock(gone->mu);
+        SetScanPending(*gone, false);
         for (auto& pull : gone->pulls) {
           std::vector<char> payload;
           ps::Frame reply = ErrorReply(
@@ -1096,6 +1098,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       part->seen.assign(h.contributors, false);
       part->early.clear();
       part->ready = false;
+      SetScanPending(*part, false);
       // Still read by a replication in flight: the next step gets its own.
       // (The first contribution overwrites it, or becomes it.)
       if (!part->acc || part->acc.use_count() > 1 || part->acc->size() != n) part->acc = Buffer(n);
@@ -1130,15 +1133,40 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       const auto* bytes = static_cast<const char*>(payload);
       part->early.emplace(h.contributor, std::make_pair(h.dtype, std::vector<char>(bytes, bytes + h.payload_bytes)));
     }
-    const bool ready = part->folded == part->contributors;
-    if (ready) {
+    const bool complete = part->folded == part->contributors;
+    // A small push taken in on the completion thread finishes the step
+    // there: its scan and update cost less than handing them over.
+    if (complete && later != nullptr && h.payload_bytes <= kInlineFinishBytes) {
       part->ready = true;
       const GradScan scan = ScanForNorm(part->acc->data(), n, part->segments);
       part->last_share = ps::ShareEntry{h.partition, scan.finite ? 1u : 0u, scan.sum_squares};
+      plock.unlock();
+      reply(ok, {});
+      ShareStep(epoch, h.step, later);
+      // Larger partitions here may be waiting for this one to scan.
+      if (scans_pending_.load() > 0) Defer(later, [this, epoch, step = h.step] { ScanStep(epoch, step); });
+      return true;
     }
+    if (!complete) {
+      plock.unlock();
+      reply(ok, {});
+      return true;
+    }
+    // The push is in: it is acknowledged before the step's scan and update,
+    // which follow on this thread (or on the receiver thread, for a push
+    // taken in on the completion thread, whose reply leaves only when it
+    // returns). The scans wait until every partition here has the step
+    // (ScanStep), so that they do not hold up the pushes of the others;
+    // until its scan is done a partition is not ready, so nothing shares or
+    // decides the step.
+    auto finish = [this, part, acc = part->acc, epoch, step = h.step] { FinishAggregation(*part, acc, epoch, step); };
     plock.unlock();
     reply(ok, {});
-    if (ready) ShareStep(epoch, h.step, later);
+    if (later != nullptr) {
+      Defer(later, std::move(finish));
+    } else {
+      finish();
+    }
     return true;
   }
 
@@ -1202,6 +1230,69 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   Run(actions);
   StepCompleted(h.partition, completed);
   return true;
+}
+
+void ParameterStore::FinishAggregation(Part& part, const std::shared_ptr<std::vector<float>>& acc, uint64_t epoch,
+                                       uint64_t step) {
+  {
+    std::lock_guard plock(part.mu);
+    // Replaced meanwhile (a new epoch dropped the step's pushes: its
+    // contributors retry the step there).
+    if (!Complete(part, epoch, step) || part.acc != acc) return;
+    SetScanPending(part, true);
+  }
+  ScanStep(epoch, step);
+}
+
+void ParameterStore::SetScanPending(Part& part, bool pending) {
+  if (part.scan_pending == pending) return;
+  part.scan_pending = pending;
+  scans_pending_.fetch_add(pending ? 1 : -1);
+}
+
+bool ParameterStore::Complete(const Part& part, uint64_t epoch, uint64_t step) {
+  return part.agg_epoch == epoch && part.agg_step == step && !part.ready && part.folded == part.contributors &&
+         part.acc != nullptr;
+}
+
+void ParameterStore::ScanStep(uint64_t epoch, uint64_t step) {
+  struct Claim {
+    std::shared_ptr<Part> part;
+    std::shared_ptr<std::vector<float>> acc;
+    std::vector<Segment> segments;
+    GradScan scan;
+  };
+  std::vector<Claim> claims;
+  {
+    std::lock_guard lock(mu_);
+    if (epoch != epoch_) return;
+    // Once every primary partition here has the step (or applied it
+    // before), whoever gets here first claims the scans.
+    for (auto& [id, part] : parts_) {
+      std::lock_guard plock(part->mu);
+      if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
+      const bool has_step = part->state.step >= step || (part->agg_epoch == epoch && part->agg_step == step &&
+                                                         (part->ready || Complete(*part, epoch, step)));
+      if (!has_step) return;  // the push that completes the last one scans
+    }
+    for (auto& [id, part] : parts_) {
+      std::lock_guard plock(part->mu);
+      if (part->role != v1::REPLICA_ROLE_PRIMARY || !part->scan_pending || !Complete(*part, epoch, step)) continue;
+      SetScanPending(*part, false);
+      claims.push_back(Claim{part, part->acc, part->segments, {}});
+    }
+  }
+  if (claims.empty()) return;  // claimed by another thread, which shares the step
+  // Nothing writes a complete aggregation's buffer (a new aggregation gets a
+  // buffer of its own while this one is held), so it is read unlocked.
+  for (Claim& c : claims) c.scan = ScanForNorm(c.acc->data(), c.acc->size(), c.segments);
+  for (Claim& c : claims) {
+    std::lock_guard plock(c.part->mu);
+    if (!Complete(*c.part, epoch, step) || c.part->acc != c.acc) continue;  // a new epoch dropped it
+    c.part->ready = true;
+    c.part->last_share = ps::ShareEntry{c.part->state.id, c.scan.finite ? 1u : 0u, c.scan.sum_squares};
+  }
+  ShareStep(epoch, step, nullptr);
 }
 
 void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale) {

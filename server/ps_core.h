@@ -208,7 +208,10 @@ class ParameterStore {
                    const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency);
 
   // --- data plane ---------------------------------------------------------
-  // `from` is the sender's member id (for logs and errors).
+  // `from` is the sender's member id (for logs and errors). A sync push is
+  // acknowledged once it is checked and folded in; when it completes the
+  // partition's step, the step's scan (norm, NaN and Inf) and the update
+  // follow the reply, on the calling thread.
   void Push(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
   // Where the payload of a push (a header as it arrived, not yet checked)
   // can be received so that the store takes the buffer over as the
@@ -231,20 +234,24 @@ class ParameterStore {
   using Then = std::function<void()>;
   // Pushes of at most this many bytes may be taken in by TryPush.
   static constexpr uint64_t kInlinePushBytes = 1ULL << 20;
+  // A push taken in by TryPush that completes its partition's step goes on
+  // with the step (scan, share, update) right there when it is at most this
+  // large; a larger one leaves all of that in `later`, so that its reply,
+  // which the completion thread sends only once it returns, does not wait
+  // for it.
+  static constexpr uint64_t kInlineFinishBytes = 256ULL << 10;
   // Push without waiting for a lock, in sync mode, of at most
   // kInlinePushBytes: checks the push, folds it into the step's gradient
   // and replies, as Push does; returns false, having done nothing (`buffer`
   // and `reply` left as they were), where Push would wait for a lock, in the
   // asynchronous modes (the update is applied at once) and for larger
-  // pushes. When the push completes the server's part of the step, the
-  // step is shared and, once decided, applied right there too, as long as
-  // no lock is held and the server's partitions (primaries and backups)
-  // hold at most kInlinePushBytes of fp32; what cannot be done so (all of it for a larger
-  // server; the rest of a decision from a partition whose lock is held on;
-  // sends to backups, whose failure handling may wait for locks; a
-  // checkpoint waiting for the step) is left in `later`, for the caller to
-  // run on a thread that may block before it takes in the sender's next
-  // frame.
+  // pushes. When a push of at most kInlineFinishBytes completes the
+  // server's part of the step, the step is shared and, once decided, applied
+  // right there too, as long as no lock is held and the server's partitions
+  // (primaries and backups) hold at most kInlinePushBytes of fp32; what
+  // cannot be done so (all of it for a larger push or a larger server; the rest of a decision from a partition whose
+  // lock is held on; sends to backups, whose failure handling may wait for locks; a checkpoint waiting for the step) is
+  // left in `later`, for the caller to run on a thread that may block before it takes in the sender's next frame.
   bool TryPush(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>>& buffer,
                Reply& reply, Then& later);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
@@ -323,6 +330,8 @@ class ParameterStore {
     std::map<uint32_t, std::pair<uint16_t, std::vector<char>>> early TANDEM_GUARDED_BY(mu);
     std::shared_ptr<std::vector<float>> acc TANDEM_GUARDED_BY(mu);
     bool ready TANDEM_GUARDED_BY(mu) = false;
+    // Complete, acknowledged, and waiting for its scan (ScanStep).
+    bool scan_pending TANDEM_GUARDED_BY(mu) = false;
     std::chrono::steady_clock::time_point first_push TANDEM_GUARDED_BY(mu);
     // The decided step's share (kept to share again when a step is retried).
     ps::ShareEntry last_share TANDEM_GUARDED_BY(mu);
@@ -371,6 +380,19 @@ class ParameterStore {
   // (MaybeShare), then runs what follows (a decision applies the update):
   // now, or, with `later`, left there.
   void ShareStep(uint64_t epoch, uint64_t step, Then* later);
+  // The rest of a sync push that completed the aggregation of `step` into
+  // `acc` (already acknowledged): marks its scan pending (unless a new epoch
+  // replaced the aggregation meanwhile) and runs ScanStep.
+  void FinishAggregation(Part& part, const std::shared_ptr<std::vector<float>>& acc, uint64_t epoch, uint64_t step);
+  // Once every primary partition here has `step` aggregated (or applied),
+  // claims the pending scans (norm, NaN and Inf), runs them without locks,
+  // marks those partitions ready and shares the step. Returns at once
+  // otherwise, or when another thread claimed them.
+  void ScanStep(uint64_t epoch, uint64_t step);
+  // An aggregation of `step` in `epoch` with every contribution folded in,
+  // not yet ready (scanned).
+  static bool Complete(const Part& part, uint64_t epoch, uint64_t step) TANDEM_REQUIRES(part.mu);
+  void SetScanPending(Part& part, bool pending) TANDEM_REQUIRES(part.mu);
   // Folds the next contribution in order (taking `buffer` over as the
   // accumulator when it is the first and holds fp32 `data`), then the
   // buffered early pushes that follow it.
@@ -433,6 +455,8 @@ class ParameterStore {
   const std::shared_ptr<Spares> spares_ = std::make_shared<Spares>();
   std::unique_ptr<optim::ThreadPool> pool_;
   StoreCounters counters_;
+  // Partitions whose scan_pending is set.
+  std::atomic<int> scans_pending_{0};
 
   mutable std::mutex mu_;
   std::condition_variable changed_;  // a partition completed a step (CaptureAt)

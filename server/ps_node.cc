@@ -552,8 +552,15 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
 }
 
 void SendReply(transport::FrameChannel& channel, int rank, const ps::Frame& header, ReplyBody body) {
-  if (body.borrowed == nullptr) return channel.Send(rank, header, std::move(body.owned));
-  channel.Send(rank, header, body.borrowed, body.borrowed_bytes, nullptr, std::move(body.keep));
+  if (body.borrowed == nullptr) {
+    channel.Send(rank, header, std::move(body.owned));
+  } else {
+    channel.Send(rank, header, body.borrowed, body.borrowed_bytes, nullptr, std::move(body.keep));
+  }
+  // The store often goes on with an update right after a reply (a push that
+  // completes a step is acknowledged first); on a busy core the reply would
+  // otherwise wait for it.
+  channel.WaitPosted();
 }
 
 Reply PsNode::Replier(const std::shared_ptr<Group>& group, int rank) {

@@ -357,24 +357,44 @@ class PsCoreTest : public ::testing::Test {
       if (into != nullptr) std::memcpy(into, grad.data(), h.payload_bytes);
       return into;
     }
+    // Partition p's gradient of `step` from its only contributor, received
+    // and taken in by TryPush as the channel does: expects it answered, and
+    // returns the `then` it left.
+    ParameterStore::Then TryPushOnly(uint32_t p, uint64_t step) {
+      auto [b, e] = t.Range(p);
+      const auto grad = Grad(step, 0, b, e);
+      const ps::Frame h = PushHeader(t.epoch_, step, p, 0, 1, grad.size() * sizeof(float));
+      EXPECT_LE(h.payload_bytes, ParameterStore::kInlinePushBytes);
+      void* into = Receive(p, 0, h, grad);
+      EXPECT_NE(into, nullptr);
+      auto a = std::make_shared<Answer>();
+      Reply reply = Into(a);
+      ParameterStore::Then then;
+      EXPECT_TRUE(Of(p).TryPush(0, 1, h, into, reply, then));
+      EXPECT_TRUE(a->done);
+      EXPECT_TRUE(a->status().ok()) << a->status().ToString();
+      return then;
+    }
     PsCoreTest& t;
     std::vector<PushLanding> all;
   };
 
   // Four steps of three contributors, every push through TryPush (as the
   // server's channel makes it, PushLanding), running `then` where one is
-  // left: expects one per step, left by the push that completes the step,
-  // with the step already applied by the push itself when
-  // `applied_inline` (then only its sends to backups are left), else not;
-  // no pull of the step is answered before `then` runs (with backups,
-  // pulls wait for them); the result must equal Push's bit for bit.
-  void TryPushSteps(const Job& job, int servers, bool applied_inline) {
+  // left: expects `deferred_per_step` per step, left by the pushes that
+  // complete a partition's step, with the step already applied by the push
+  // itself when `applied_inline` (then only its sends to backups are left),
+  // else not; no pull of the step is answered before the last `then` of the
+  // step runs (with backups, pulls wait for them); the result must equal
+  // Push's bit for bit.
+  void TryPushSteps(const Job& job, int servers, bool applied_inline, int deferred_per_step) {
     Start(servers, job);
     Landings landings(*this);
     auto landing_of = [&](uint32_t p) -> PushLanding& { return landings.Of(p); };
     std::vector<float> params;
     for (uint64_t s = 1; s <= 4; ++s) {
       int deferred = 0;
+      std::vector<std::shared_ptr<Answer>> early_pulls;
       for (uint32_t p = 0; p < Partitions(); ++p) {
         auto [b, e] = Range(p);
         for (uint32_t c = 0; c < 3; ++c) {
@@ -395,17 +415,26 @@ class PsCoreTest : public ::testing::Test {
           auto early = std::make_shared<Answer>();
           PrimaryOf(p).Pull(1, PullHeader(epoch_, s, p), Into(early));
           EXPECT_FALSE(early->done) << "step " << s << " was answered before `then` ran";
+          early_pulls.push_back(early);
           then();
-          EXPECT_TRUE(early->done);
         }
       }
-      EXPECT_EQ(deferred, 1) << "step " << s;
+      for (const auto& early : early_pulls) EXPECT_TRUE(early->done) << "step " << s;
+      EXPECT_EQ(deferred, deferred_per_step) << "step " << s;
       params = PullAll(s);
     }
     const auto reference = ReferenceRun(job, 4, 3);
     ASSERT_EQ(params.size(), reference.size());
     EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
     ExpectReplicasEqual();
+  }
+
+  // The parameters after one step of one contributor equal a one-server
+  // run's, bit for bit.
+  static void ExpectOneStepReference(const Job& job, const std::vector<float>& params) {
+    const auto reference = ReferenceRun(job, 1, 1);
+    ASSERT_EQ(params.size(), reference.size());
+    EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
   }
 
   Cluster cluster_;
@@ -529,15 +558,111 @@ TEST_F(PsCoreTest, TryPullAnswersAsPullDoes) {
 // (It also declines, or defers, while another thread holds a lock, which a
 // test cannot hold still.)
 TEST_F(PsCoreTest, TryPushAnswersAsPushDoes) {
-  TryPushSteps(Job(), 3, /*applied_inline=*/true);
+  TryPushSteps(Job(), 3, /*applied_inline=*/true, /*deferred_per_step=*/1);
 }
 
+// Partitions of at most kInlineFinishBytes on a server larger than
+// kInlinePushBytes: the step's update is left by the push that completes it.
 TEST_F(PsCoreTest, TryPushLeavesALargeServersUpdateForLater) {
   Job large;
-  large.params = (ParameterStore::kInlinePushBytes / sizeof(float)) * 3 / 2;
-  large.partition = large.params / 3;
+  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float);
+  large.params = large.partition * 6;
+  ASSERT_GT(large.params * sizeof(float), ParameterStore::kInlinePushBytes);
   large.initial.resize(large.params, 0.5f);
-  TryPushSteps(large, 1, /*applied_inline=*/false);
+  TryPushSteps(large, 1, /*applied_inline=*/false, /*deferred_per_step=*/1);
+}
+
+// Partitions larger than kInlineFinishBytes: every push that completes its
+// partition leaves the rest (scan, decision, update) for later.
+TEST_F(PsCoreTest, TryPushLeavesTheStepOfALargePushForLater) {
+  Job large;
+  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
+  large.params = large.partition * 3;
+  large.initial.resize(large.params, 0.5f);
+  TryPushSteps(large, 1, /*applied_inline=*/false, /*deferred_per_step=*/3);
+}
+
+// A push that completes a step is acknowledged before the step's scan and
+// update run (they follow on the same thread): a worker's push does not
+// wait for the optimizer.
+TEST_F(PsCoreTest, APushThatCompletesTheStepIsAnsweredBeforeTheUpdate) {
+  Job job;
+  Start(1, job);
+  ParameterStore& store = PrimaryOf(0);
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    const auto grad = Grad(1, 0, b, e);
+    const ps::Frame h = PushHeader(1, 1, p, 0, 1, grad.size() * sizeof(float));
+    std::optional<uint64_t> updates_at_reply;
+    store.Push(1, h, grad.data(), [&](ps::Frame r, ReplyBody) {
+      EXPECT_EQ(r.status, 0);
+      updates_at_reply = store.counters().updates.load();
+    });
+    ASSERT_TRUE(updates_at_reply.has_value());
+    EXPECT_EQ(*updates_at_reply, 0u) << "partition " << p;
+  }
+  EXPECT_EQ(store.counters().updates.load(), Partitions());
+  ExpectOneStepReference(job, PullAll(1));
+}
+
+// A push larger than kInlineFinishBytes taken in by TryPush is answered
+// there and leaves the whole step (scan, decision, update) in `then`. A new
+// epoch before `then` runs drops the step's unfinished aggregation; `then`
+// then does nothing, and the step pushed again in the new epoch is applied
+// once, as if the first epoch had never seen it.
+TEST_F(PsCoreTest, ALargeInlinePushLeavesTheStepForLaterAndANewEpochDropsIt) {
+  Job large;
+  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
+  large.params = large.partition * 3;
+  large.initial.resize(large.params, 0.5f);
+  Start(1, large);
+  Landings landings(*this);
+  ParameterStore& store = PrimaryOf(0);
+  std::vector<ParameterStore::Then> left;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    left.push_back(landings.TryPushOnly(p, 1));
+    ASSERT_TRUE(left.back()) << "partition " << p;
+  }
+  // The first two partitions finish; the last one's rest is still pending
+  // when the epoch changes.
+  left[0]();
+  left[1]();
+  EXPECT_EQ(store.counters().updates.load(), 0u);
+  SetEpoch(2);
+  left[2]();
+  EXPECT_EQ(store.counters().updates.load(), 0u);
+  EXPECT_EQ(store.Stats({2}).partitions(0).step(), 0u);
+  // The step again, in the new epoch.
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    auto a = Push(store, epoch_, 1, p, 0, 1, Grad(1, 0, b, e));
+    ASSERT_TRUE(a->done);
+    EXPECT_TRUE(a->status().ok()) << a->status().ToString();
+  }
+  EXPECT_EQ(store.counters().updates.load(), Partitions());
+  ExpectOneStepReference(large, PullAll(1));
+}
+
+// The scans of a step's large partitions wait until every partition here
+// has the step. When the last one is small enough to be finished on the
+// completion thread, the scans it releases are left in its `then`, and the
+// step is applied once that runs.
+TEST_F(PsCoreTest, ASmallLastPartitionReleasesTheScansOfTheLargeOnes) {
+  Job job;
+  job.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
+  job.params = job.partition * 2 + 1000;  // a small last partition
+  job.initial.resize(job.params, 0.5f);
+  Start(1, job);
+  Landings landings(*this);
+  ParameterStore& store = PrimaryOf(0);
+  ASSERT_EQ(Partitions(), 3u);
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    ParameterStore::Then then = landings.TryPushOnly(p, 1);
+    ASSERT_TRUE(then) << "partition " << p;
+    then();
+    EXPECT_EQ(store.counters().updates.load(), p + 1 < Partitions() ? 0u : Partitions()) << "partition " << p;
+  }
+  ExpectOneStepReference(job, PullAll(1));
 }
 
 // Pushes received straight into store buffers (PushLanding, as the server's
