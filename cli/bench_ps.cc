@@ -25,13 +25,21 @@
 // it. Per size, --warmup untimed steps, then --rounds rounds, each: the
 // ucx_perftest runs (tag_bw at S, and tag_lat below, unless --no-baseline),
 // then --iters timed iterations of each of
-//   push:  push every partition of step s+1 at once, wait for every reply;
+//   push:  push every partition of step s+1 at once, wait for every reply,
+//          with step s applied first (an untimed pull of step s, which the
+//          server answers once its update is done): the push a training
+//          step makes, since a worker pulls step s before it computes and
+//          pushes step s+1;
 //   pull:  pull every partition at the current step at once, wait for all;
 //   step:  push every partition of step s+1 and pull every partition of
 //          step s+1 at once (the pulls are answered once the update is
-//          applied), wait for all: one training step's round trip.
+//          applied), wait for all: one training step's round trip;
+//   push back to back: the push loop without the pulls: each push of step
+//          s+1 follows the reply to step s's at once, so it also waits for
+//          the server's update of step s (which runs after that reply).
 // Figures are medians over all timed iterations of all rounds (ucx_perftest:
 // median over rounds of its overall bandwidth). push_gbps = S / push time,
+// push_b2b_gbps = S / back-to-back push time,
 // pull_gbps = S / pull time, step_gbps = 2 S / step time (both directions);
 // ratios are against ucx_perftest's tag_bw at S (UCX reports MiB/s,
 // converted to GB/s), run with the environment the group's shared-memory
@@ -541,10 +549,10 @@ class Perftest {
 struct Row {
   uint64_t size = 0;
   uint32_t partitions = 0;
-  std::vector<double> push, pull, step;  // seconds per timed iteration
+  std::vector<double> push, pull, step, push_b2b;  // seconds per timed iteration
   // Per round: the median push and pull time, and ucx_perftest's GB/s (NaN
   // when it failed), for the ratios of each round.
-  std::vector<double> round_push, round_pull, round_ucx;
+  std::vector<double> round_push, round_pull, round_push_b2b, round_ucx;
   uint64_t message = 0;             // the largest message: a partition's gradient (or the size)
   std::vector<double> ucx;          // GB/s per round
   std::vector<double> ucx_message;  // GB/s per round at `message` bytes, when smaller than the size
@@ -715,21 +723,25 @@ Status MeasureSize(const BenchConfig& c, Worker& w, Perftest* perftest, comm::Fi
     }
     struct Phase {
       bool push, pull;
+      bool settle;  // an untimed pull of the current step first: its update is applied
       std::vector<double>* out;
+      std::vector<double>* round;
     };
     for (const Phase& phase :
-         {Phase{true, false, &row.push}, Phase{false, true, &row.pull}, Phase{true, true, &row.step}}) {
+         {Phase{true, false, true, &row.push, &row.round_push},
+          Phase{true, false, false, &row.push_b2b, &row.round_push_b2b},
+          Phase{false, true, false, &row.pull, &row.round_pull}, Phase{true, true, false, &row.step, nullptr}}) {
       std::vector<double> times;
       for (int64_t i = 0; i < c.iters; ++i) {
         const bool checked = phase.pull && phase.push && r == c.rounds - 1 && i == c.iters - 1;
+        if (phase.settle) TANDEM_RETURN_IF_ERROR(w.Iterate(false, true).status());
         if (checked) w.Poison();
         TANDEM_ASSIGN_OR_RETURN(const double seconds, w.Iterate(phase.push, phase.pull));
         times.push_back(seconds);
         if (checked) row.wrong = w.Check();
       }
       phase.out->insert(phase.out->end(), times.begin(), times.end());
-      if (phase.out == &row.push) row.round_push.push_back(Median(times));
-      if (phase.out == &row.pull) row.round_pull.push_back(Median(times));
+      if (phase.round != nullptr) phase.round->push_back(Median(times));
     }
   }
   const uint64_t steps = w.Steps();
@@ -756,7 +768,8 @@ void PrintHeader(const BenchConfig& c, const std::string& baseline) {
       c.dtype, FormatBytes(c.partition_bytes), PartitionElements(c), c.optimizer == "sgd" ? "SGD" : "AdamW",
       c.server_threads);
   fmt::print(
-      "# {} warm-up steps, then {} rounds of {} iterations of each: push (all partitions of a step), pull (all "
+      "# {} warm-up steps, then {} rounds of {} iterations of each: push (all partitions of step s+1, step s "
+      "applied first, as in training), b2b push (back to back: also waits for the update of step s), pull (all "
       "partitions), step (push and pull of a step); median times\n",
       c.warmup, c.rounds, c.iters);
   fmt::print(
@@ -770,40 +783,49 @@ void PrintHeader(const BenchConfig& c, const std::string& baseline) {
       "+ tag_lat at a {}-byte header), same settings and CPUs\n#\n",
       sizeof(ps::Frame));
   const std::string columns =
-      "# {:>8} {:>5} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8} {:>7} {:>7} {:>6} {:>6} {:>7} {:>6} {:>6} {:>6}\n";
-  fmt::print(fmt::runtime(columns), "size", "parts", "push", "push", "pull", "pull", "step", "step", "upd", "ucx",
-             "ucx@msg", "push", "pull", "ucx rtt", "push", "pull", "#wrong");
+      "# {:>8} {:>5} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>9} {:>7} {:>8} {:>7} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6} "
+      "{:>6} {:>6}\n";
+  fmt::print(fmt::runtime(columns), "size", "parts", "push", "push", "b2b push", "b2b", "pull", "pull", "step", "step",
+             "upd", "ucx", "ucx@msg", "push", "b2b", "pull", "ucx rtt", "push", "pull", "#wrong");
   fmt::print(fmt::runtime(columns), "(B)", "", "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)", "(us)", "(GB/s)",
-             "(GB/s)", "/ucx", "/ucx", "(GB/s)", "/rtt", "/rtt", "");
+             "(us)", "(GB/s)", "(GB/s)", "/ucx", "/ucx", "/ucx", "(GB/s)", "/rtt", "/rtt", "");
 }
 
 void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_env) {
   const double size = static_cast<double>(row.size);
   const double push_s = Median(row.push), pull_s = Median(row.pull), step_s = Median(row.step);
+  const double b2b_s = Median(row.push_b2b);
   const double push = size / push_s / 1e9, pull = size / pull_s / 1e9, step = 2 * size / step_s / 1e9;
+  const double b2b = size / b2b_s / 1e9;
   // Each round's Tandem figure against the ucx_perftest runs just before it
   // (the machine's state drifts between rounds), median over the rounds.
   struct Against {
-    std::optional<double> baseline, push, pull;
+    std::optional<double> baseline, push, pull, push_b2b;
   };
   auto against = [&](const std::vector<double>& rounds) {
     Against a;
-    std::vector<double> baselines, push_ratios, pull_ratios;
-    for (size_t r = 0; r < rounds.size() && r < row.round_push.size() && r < row.round_pull.size(); ++r) {
+    std::vector<double> baselines, push_ratios, pull_ratios, b2b_ratios;
+    for (size_t r = 0;
+         r < rounds.size() && r < row.round_push.size() && r < row.round_pull.size() && r < row.round_push_b2b.size();
+         ++r) {
       if (!std::isfinite(rounds[r]) || rounds[r] <= 0) continue;
       baselines.push_back(rounds[r]);
       push_ratios.push_back(size / row.round_push[r] / 1e9 / rounds[r]);
       pull_ratios.push_back(size / row.round_pull[r] / 1e9 / rounds[r]);
+      b2b_ratios.push_back(size / row.round_push_b2b[r] / 1e9 / rounds[r]);
     }
-    if (!baselines.empty()) a = Against{Median(baselines), Median(push_ratios), Median(pull_ratios)};
+    if (!baselines.empty()) {
+      a = Against{Median(baselines), Median(push_ratios), Median(pull_ratios), Median(b2b_ratios)};
+    }
     return a;
   };
-  std::optional<double> ucx, ucx_message, push_ratio, pull_ratio;
+  std::optional<double> ucx, ucx_message, push_ratio, pull_ratio, b2b_ratio;
   if (!row.ucx.empty()) {
     ucx = Median(row.ucx);
     const Against bw = against(row.round_ucx);
     push_ratio = bw.push;
     pull_ratio = bw.pull;
+    b2b_ratio = bw.push_b2b;
   }
   const Against rtt = against(row.round_rtt);
   if (row.message == row.size) {
@@ -823,6 +845,8 @@ void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_
         "\"server_update_us\": {}, ",
         JsonNumber(push_s * 1e6, 6), JsonNumber(push, 5), JsonNumber(pull_s * 1e6, 6), JsonNumber(pull, 5),
         JsonNumber(step_s * 1e6, 6), JsonNumber(step, 5), JsonNumber(row.update_us, 5));
+    line += fmt::format("\"push_b2b_us\": {}, \"push_b2b_gbps\": {}, \"push_b2b_ratio\": {}, ",
+                        JsonNumber(b2b_s * 1e6, 6), JsonNumber(b2b, 5), JsonNumber(b2b_ratio, 4));
     line += fmt::format(
         "\"ucx_perftest_gbps\": {}, \"ucx_perftest_message_gbps\": {}, \"push_ratio\": {}, \"pull_ratio\": {}, "
         "\"ucx_perftest_rounds_gbps\": [{}], \"ucx_perftest_env\": {}, \"ucx_perftest_error\": {}, ",
@@ -839,11 +863,11 @@ void PrintRow(const BenchConfig& c, const Row& row, const std::string& baseline_
     return v ? fmt::format("{:.{}f}", *v, precision) : std::string("n/a");
   };
   fmt::print(
-      "  {:>8} {:>5} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>8} {:>7} {:>7} {:>6} {:>6} {:>7} {:>6} "
-      "{:>6} {:>6}\n",
-      SizeName(row.size), row.partitions, push_s * 1e6, push, pull_s * 1e6, pull, step_s * 1e6, step,
-      opt(row.update_us, 1), opt(ucx, 2), opt(ucx_message, 2), opt(push_ratio, 2), opt(pull_ratio, 2),
-      opt(rtt.baseline, 2), opt(rtt.push, 2), opt(rtt.pull, 2), row.wrong);
+      "  {:>8} {:>5} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>9.1f} {:>7.2f} {:>8} {:>7} {:>7} {:>6} "
+      "{:>6} {:>6} {:>7} {:>6} {:>6} {:>6}\n",
+      SizeName(row.size), row.partitions, push_s * 1e6, push, b2b_s * 1e6, b2b, pull_s * 1e6, pull, step_s * 1e6, step,
+      opt(row.update_us, 1), opt(ucx, 2), opt(ucx_message, 2), opt(push_ratio, 2), opt(b2b_ratio, 2),
+      opt(pull_ratio, 2), opt(rtt.baseline, 2), opt(rtt.push, 2), opt(rtt.pull, 2), row.wrong);
 }
 
 // The server process, killed by PID on every way out of the bench.
@@ -921,7 +945,8 @@ int BenchPsCommand(int argc, char** argv) {
   options.Choice("dtype", &c.dtype, {"fp32", "bf16"}, "element type of pushes and pulls on the wire");
   options.Choice("optimizer", &c.optimizer, {"sgd", "adamw"},
                  "the server's update rule (sgd: plain, exact results checked; adamw: weight decay 0.01)");
-  options.Int("iters", &c.iters, "timed iterations of each kind (push, pull, step) per round", 1, 100000);
+  options.Int("iters", &c.iters, "timed iterations of each kind (push, back-to-back push, pull, step) per round", 1,
+              100000);
   options.Int("warmup", &c.warmup, "untimed steps per size", 0, 100000);
   options.Int("rounds", &c.rounds, "rounds per size, each with its own ucx_perftest runs", 1, 1000);
   options.Bool("no_baseline", &no_baseline, "skip the ucx_perftest baseline");

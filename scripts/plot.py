@@ -213,6 +213,9 @@ def plot_ps(args):
     chart = Chart("Parameter server: one step's gradient pushed, parameters pulled", "size per step",
                   "goodput (GB/s)", xlog=True)
     chart.line("push", [(r["size_bytes"], r["push_gbps"]) for r in rows])
+    # Back to back: each push also waits for the previous step's update
+    # (absent from results of builds before it was measured).
+    chart.line("push, back to back", [(r["size_bytes"], r.get("push_b2b_gbps")) for r in rows], dashed=True)
     chart.line("pull", [(r["size_bytes"], r["pull_gbps"]) for r in rows])
     chart.line("ucx_perftest (same run)", [(r["size_bytes"], r.get("ucx_perftest_gbps")) for r in rows], dashed=True)
     # One request/reply on UCX itself (sizes of one message; absent from

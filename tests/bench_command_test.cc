@@ -72,7 +72,7 @@ TEST(BenchCommandTest, PsPushesAndPullsExactlyAndReportsBothBaselines) {
     SCOPED_TRACE(line);
     EXPECT_EQ(Field(line, "wrong"), "0");
     EXPECT_EQ(Number(line, "size_bytes"), static_cast<double>(64ULL << 10 << (4 * i)));
-    for (const std::string key : {"push_gbps", "pull_gbps", "step_gbps", "server_update_us"}) {
+    for (const std::string key : {"push_gbps", "push_b2b_gbps", "pull_gbps", "step_gbps", "server_update_us"}) {
       EXPECT_GT(Number(line, key), 0) << key;
     }
     const bool one_message = i < 2;  // 16 MiB is four 4 MiB partitions
@@ -80,6 +80,7 @@ TEST(BenchCommandTest, PsPushesAndPullsExactlyAndReportsBothBaselines) {
     if (perftest) {
       EXPECT_GT(Number(line, "ucx_perftest_gbps"), 0);
       EXPECT_GT(Number(line, "push_ratio"), 0);
+      EXPECT_GT(Number(line, "push_b2b_ratio"), 0);
       EXPECT_EQ(Field(line, "ucx_perftest_error"), "null");
       // The request/reply baseline is measured where a size is one message.
       if (one_message) {
@@ -92,7 +93,8 @@ TEST(BenchCommandTest, PsPushesAndPullsExactlyAndReportsBothBaselines) {
     } else {
       // Without ucx-utils (make test does not install it) the baselines are
       // null and the reason says what to install.
-      for (const std::string key : {"ucx_perftest_gbps", "push_ratio", "ucx_perftest_rtt_gbps", "push_rtt_ratio"}) {
+      for (const std::string key :
+           {"ucx_perftest_gbps", "push_ratio", "push_b2b_ratio", "ucx_perftest_rtt_gbps", "push_rtt_ratio"}) {
         EXPECT_EQ(Field(line, key), "null") << key;
       }
       EXPECT_NE(Field(line, "ucx_perftest_error").find("ucx-utils"), std::string::npos);
