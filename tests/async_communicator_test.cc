@@ -404,6 +404,33 @@ TEST(AsyncCommunicatorTest, EveryKindRunsInSubmissionOrder) {
   });
 }
 
+// A float32 sum allreduce of each tensor, in place.
+std::vector<AsyncCommunicator::Handle> AllReduceEach(AsyncCommunicator& async, std::vector<std::vector<float>>& t) {
+  std::vector<AsyncCommunicator::Handle> h;
+  for (auto& v : t) h.push_back(async.AllReduceAsync(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum));
+  return h;
+}
+
+// The error is published while a bucket is still open: the bucket's
+// handles fail with it, before anything submitted after them.
+TEST(AsyncCommunicatorTest, AnOpenBucketFailsWithTheErrorBeforeLaterOperations) {
+  constexpr int kRanks = 2;
+  auto comms = MakeGroup(kRanks);
+  for (auto& c : comms) c->fail_at = 1;  // the first allreduce fails on every rank
+  RunRanks(kRanks, [&](int rank) {
+    AsyncCommunicator async(comms[static_cast<size_t>(rank)], AsyncOptions{256});
+    std::vector<std::vector<float>> t(5, std::vector<float>(16, 1.0f));  // 64 bytes: 4 per bucket
+    auto h = AllReduceEach(async, t);
+    // The first bucket runs and fails; the fifth tensor's bucket stays open.
+    ASSERT_EQ(h[0].Wait(kWait).code(), StatusCode::kUnavailable);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // let the error be published
+    auto barrier = async.BarrierAsync();
+    EXPECT_EQ(barrier.Wait(kWait).code(), StatusCode::kUnavailable) << barrier.status().ToString();
+    ASSERT_TRUE(h[4].Done()) << "the open bucket was left behind";
+    EXPECT_EQ(h[4].status(), h[0].status());
+  });
+}
+
 TEST(AsyncCommunicatorTest, AnErrorFailsEveryHandleOfTheBucketAndEverythingAfter) {
   constexpr int kRanks = 2;
   auto comms = MakeGroup(kRanks);
@@ -411,8 +438,7 @@ TEST(AsyncCommunicatorTest, AnErrorFailsEveryHandleOfTheBucketAndEverythingAfter
   RunRanks(kRanks, [&](int rank) {
     AsyncCommunicator async(comms[static_cast<size_t>(rank)], AsyncOptions{256});
     std::vector<std::vector<float>> t(12, std::vector<float>(16, 1.0f));  // 64 bytes: 4 per bucket
-    std::vector<AsyncCommunicator::Handle> h;
-    for (auto& v : t) h.push_back(async.AllReduceAsync(v.data(), v.data(), v.size(), DType::kFloat32, ReduceOp::kSum));
+    auto h = AllReduceEach(async, t);
     auto barrier = async.BarrierAsync();
     ASSERT_TRUE(barrier.Wait(kWait).code() == StatusCode::kUnavailable) << barrier.status().ToString();
     for (size_t i = 0; i < 4; ++i) EXPECT_TRUE(h[i].status().ok()) << i;

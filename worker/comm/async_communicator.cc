@@ -83,10 +83,11 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
     auto op = NewOp();
     Status fail;
     {
-      std::lock_guard lock(mu_);
+      std::unique_lock lock(mu_);
       ++submitted_;
       if (!error_.ok()) {
         fail = error_;
+        WaitDrainedLocked(lock);
       } else {
         if (open_) CloseLocked();
         AsyncTask task;
@@ -119,10 +120,11 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
     Status fail;
     bool closed = false;
     {
-      std::lock_guard lock(mu_);
+      std::unique_lock lock(mu_);
       ++submitted_;
       if (!error_.ok()) {
         fail = error_;
+        WaitDrainedLocked(lock);
       } else {
         if (open_ &&
             (open_->dtype != dtype || open_->reduce != reduce || open_->bucket_bytes + bytes > fusion_bytes_)) {
@@ -185,20 +187,7 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
     comm_->Abort(reason);
     Status aborted = comm_->health();  // ABORTED with the reason, or an earlier error
     if (aborted.ok()) aborted = Aborted("communicator \"{}\" was aborted: {}", comm_->name(), reason);
-    std::deque<AsyncTask> drained;
-    std::optional<AsyncTask> open;
-    Status fail;
-    {
-      std::lock_guard lock(mu_);
-      if (error_.ok()) error_ = aborted;
-      fail = error_;
-      drained.swap(queue_);
-      open.swap(open_);
-      if (stop) stop_ = true;
-    }
-    work_cv_.notify_all();
-    if (open) CompleteTask(*open, fail);
-    for (auto& task : drained) CompleteTask(task, fail);
+    FailAll(aborted, stop);
   }
 
   Status health() const {
@@ -232,10 +221,41 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
       if (!s.ok()) {
         // An error that broke the communicator fails everything after it.
         const Status broken = comm_->health();
-        std::lock_guard lock(mu_);
-        if (!broken.ok() && error_.ok()) error_ = broken;
+        if (!broken.ok()) FailAll(broken, /*stop=*/false);
       }
     }
+  }
+
+  // Publishes `error` (unless there is one already) and fails what is
+  // queued and the open bucket with it, in submission order. A submission
+  // that fails at once waits until that is done (WaitDrainedLocked), so
+  // nothing submitted later completes first, and no open bucket is left
+  // waiting for a Wait or a Flush.
+  void FailAll(const Status& error, bool stop) {
+    std::deque<AsyncTask> drained;
+    std::optional<AsyncTask> open;
+    Status fail;
+    {
+      std::lock_guard lock(mu_);
+      if (error_.ok()) error_ = error;
+      fail = error_;
+      drained.swap(queue_);
+      open.swap(open_);
+      if (stop) stop_ = true;
+      ++draining_;
+    }
+    work_cv_.notify_all();
+    for (auto& task : drained) CompleteTask(task, fail);
+    if (open) CompleteTask(*open, fail);
+    {
+      std::lock_guard lock(mu_);
+      --draining_;
+    }
+    drained_cv_.notify_all();
+  }
+
+  void WaitDrainedLocked(std::unique_lock<std::mutex>& lock) TANDEM_REQUIRES(mu_) {
+    drained_cv_.wait(lock, [&]() TANDEM_REQUIRES(mu_) { return draining_ == 0; });
   }
 
   // The counters AsyncCommunicator exposes.
@@ -312,8 +332,10 @@ class AsyncCore : public std::enable_shared_from_this<AsyncCore> {
   std::vector<std::byte> buffer_;
 
   mutable std::mutex mu_;
-  std::condition_variable work_cv_;  // queue_ became non-empty, or stop_
-  std::condition_variable idle_cv_;  // completed_ grew
+  std::condition_variable work_cv_;          // queue_ became non-empty, or stop_
+  std::condition_variable idle_cv_;          // completed_ grew
+  std::condition_variable drained_cv_;       // draining_ fell to 0
+  int draining_ TANDEM_GUARDED_BY(mu_) = 0;  // FailAll calls completing what they took
   std::deque<AsyncTask> queue_ TANDEM_GUARDED_BY(mu_);
   std::optional<AsyncTask> open_ TANDEM_GUARDED_BY(mu_);  // the open fusion bucket
   Status error_ TANDEM_GUARDED_BY(mu_);                   // non-OK once broken or aborted
