@@ -33,8 +33,10 @@
 //
 // Errors. When an operation fails and leaves the communicator broken (see
 // Communicator::health()), every handle of that operation (all the tensors of
-// a bucket) completes with the error, and every later operation fails fast
-// with it without running. Abort(reason) aborts the wrapped communicator (so
+// a bucket) completes with the error, then every operation submitted after
+// it (queued, or in the open bucket) in submission order, and every later
+// operation fails fast with it without running; none of them completes
+// before an operation submitted earlier. Abort(reason) aborts the wrapped communicator (so
 // the operation in flight fails promptly with ABORTED carrying `reason`) and
 // completes every queued operation, and the open bucket, with that status at
 // once. The destructor does the same with reason "communicator closed" and
