@@ -870,6 +870,7 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
     part.safe_step = s.step;
     part.agg_epoch = 0;
     part.ready = false;
+    SetScanPending(part, false);
     part.early.clear();
     for (auto& pull : part.pulls) {
       std::vector<char> payload;

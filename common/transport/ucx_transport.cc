@@ -631,6 +631,7 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   std::unique_ptr<Request> Submit(Op::Kind kind, int peer, uint64_t tag, bool internal, void* data, size_t bytes,
                                   Transport::Completion done = nullptr);
   Status Wait(Op& op, milliseconds timeout);
+  void WaitPosted();
   void Drop(const std::shared_ptr<Op>& op);
 
   // UCX callbacks (progress thread).
@@ -652,10 +653,6 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   auto OnProgressThread(F&& fn) -> decltype(fn());
   void WakeLocked() TANDEM_REQUIRES(mu_);
 
- public:
-  void WaitPosted();
-
- private:
   // Progress thread.
   void Run();
   bool RunQueued();
