@@ -613,6 +613,81 @@ TEST_P(UcxPathTest, WaitPostedReturnsOnceEarlierOperationsAreStarted) {
       << "WaitPosted on the progress thread waited for itself";
 }
 
+// A caller may run the progress loop itself (Progress): completions then run
+// on it, never on a thread that is neither the progress thread nor inside
+// Progress, and never two at once, while two callers and the progress thread
+// compete for the role.
+thread_local bool t_in_progress_call = false;
+
+TEST_P(UcxPathTest, ProgressRunsCompletionsOnTheCallingThreadOneAtATime) {
+  using Progressed = Transport::Progressed;
+  {
+    auto unconnected = UcxTransport::Create(TestOptions());
+    ASSERT_TRUE(unconnected.ok()) << unconnected.status().ToString();
+    EXPECT_EQ(unconnected.value()->Progress(), Progressed::kBusy);  // nothing to drive before Connect
+  }
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  constexpr int kMessages = 300;
+  std::vector<int64_t> in(kMessages, -1);
+  std::atomic<int> running{0}, overlaps{0}, on_caller{0}, on_progress_thread{0}, elsewhere{0}, nested_not_busy{0};
+  std::atomic<int> received{0};
+  std::vector<std::unique_ptr<Request>> recvs;
+  for (int i = 0; i < kMessages; ++i) {
+    recvs.push_back(g[1]->RecvAsync(0, 100 + static_cast<uint64_t>(i), &in[static_cast<size_t>(i)], sizeof(int64_t),
+                                    [&](const Status& s) {
+                                      EXPECT_TRUE(s.ok()) << s.ToString();
+                                      if (running.fetch_add(1) != 0) overlaps.fetch_add(1);
+                                      char name[16] = {};
+                                      pthread_getname_np(pthread_self(), name, sizeof(name));
+                                      if (t_in_progress_call) {
+                                        on_caller.fetch_add(1);
+                                      } else if (std::string(name) == "tandem-ucx") {
+                                        on_progress_thread.fetch_add(1);
+                                      } else {
+                                        elsewhere.fetch_add(1);
+                                      }
+                                      if (g[1]->Progress() != Progressed::kBusy) nested_not_busy.fetch_add(1);
+                                      running.fetch_sub(1);
+                                      received.fetch_add(1);
+                                    }));
+  }
+  const auto deadline = Clock::now() + kWait;
+  auto drive = [&] {
+    while (received.load() < kMessages && Clock::now() < deadline) {
+      t_in_progress_call = true;
+      (void)g[1]->Progress();
+      t_in_progress_call = false;
+    }
+  };
+  std::thread other(drive);
+  std::vector<int64_t> out(kMessages);
+  std::vector<std::unique_ptr<Request>> sends;
+  for (int i = 0; i < kMessages; ++i) {
+    out[static_cast<size_t>(i)] = i * 7;
+    sends.push_back(g[0]->Send(1, 100 + static_cast<uint64_t>(i), &out[static_cast<size_t>(i)], sizeof(int64_t)));
+  }
+  drive();
+  other.join();
+  for (auto& send : sends) EXPECT_TRUE(send->Wait(kWait).ok());
+  ASSERT_EQ(received.load(), kMessages);
+  for (int i = 0; i < kMessages; ++i) EXPECT_EQ(in[static_cast<size_t>(i)], i * 7) << "message " << i;
+  EXPECT_EQ(overlaps.load(), 0) << "completions ran concurrently";
+  EXPECT_EQ(elsewhere.load(), 0) << "a completion ran outside the progress thread and Progress";
+  EXPECT_EQ(nested_not_busy.load(), 0) << "Progress inside a completion must do nothing";
+  EXPECT_EQ(on_caller.load() + on_progress_thread.load(), kMessages);
+  // A request waited on the usual way still completes while callers drive.
+  int64_t value = 42, got = 0;
+  auto recv = g[1]->Recv(0, 7, &got, sizeof(got));
+  std::thread driver([&] {
+    for (int i = 0; i < 1000; ++i) (void)g[1]->Progress();
+  });
+  EXPECT_TRUE(g[0]->Send(1, 7, &value, sizeof(value))->Wait(kWait).ok());
+  EXPECT_TRUE(recv->Wait(kWait).ok());
+  driver.join();
+  EXPECT_EQ(got, 42);
+}
+
 INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
                          ::testing::Values(PathConfig{"SharedMemoryCopy", "", true},
                                            PathConfig{"SharedMemoryCma", "", false}, PathConfig{"Tcp", "tcp", true}),

@@ -122,6 +122,10 @@ class FrameChannel {
   // (Transport::WaitPosted): for a thread with long work to do next, whose
   // replies should not wait for it.
   void WaitPosted() { transport_->WaitPosted(); }
+  // One round of the transport's progress on this thread, for a thread about
+  // to wait for a reply (Transport::Progress): the frames' completions, and
+  // so on_frame, may run here.
+  Transport::Progressed Progress() { return transport_->Progress(); }
 
   // Whether `peer` failed (and why).
   Status PeerStatus(int peer) const;

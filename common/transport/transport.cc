@@ -18,4 +18,17 @@ std::unique_ptr<Request> Completed(Status status) {
   return std::make_unique<CompletedRequest>(std::move(status));
 }
 
+void DriveWhileWaiting(const std::function<Transport::Progressed()>& progress, const std::function<bool()>& done,
+                       std::chrono::steady_clock::time_point deadline) {
+  using Progressed = Transport::Progressed;
+  auto active = std::chrono::steady_clock::now();
+  while (!done()) {
+    const Progressed round = progress();
+    if (round == Progressed::kBusy) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (round == Progressed::kActive) active = now;
+    if (now >= deadline || now - active >= kDriveIdle) return;
+  }
+}
+
 }  // namespace tandem::transport

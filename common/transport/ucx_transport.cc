@@ -632,6 +632,7 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
                                   Transport::Completion done = nullptr);
   Status Wait(Op& op, milliseconds timeout);
   void WaitPosted();
+  Transport::Progressed Progress();
   void Drop(const std::shared_ptr<Op>& op);
 
   // UCX callbacks (progress thread).
@@ -658,7 +659,8 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   bool RunQueued();
   bool ProgressAll();
   void Drain();
-  void Sleep(Clock::duration max);
+  // Releases the role while it sleeps.
+  void Sleep(std::unique_lock<std::mutex>& role, Clock::duration max);
   void Start(const std::shared_ptr<Op>& op);
   void Cancel(const std::shared_ptr<Op>& op);
   void Complete(Op& op);
@@ -683,6 +685,10 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   std::thread thread_;
+  // Held by the thread that makes UCX calls and runs completions: the
+  // progress thread for each round of its loop, or a caller in Progress().
+  // What is marked "progress thread only" belongs to the holder.
+  std::mutex role_mu_;
   std::atomic<int> rank_{-1};
   std::atomic<int> size_{0};
   std::atomic<bool> connect_called_{false};
@@ -803,7 +809,8 @@ Status UcxTransport::Core::OpenContext(Context& ctx, const char* name, const std
   };
   ucp_worker_params_t worker_params{};
   worker_params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  worker_params.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread uses it
+  // One thread at a time uses it (the holder of Core::role_mu_).
+  worker_params.thread_mode = UCS_THREAD_MODE_SERIALIZED;
   st = ucp_worker_create(ctx.context, &worker_params, &ctx.worker);
   if (st != UCS_OK) {
     ctx.worker = nullptr;
@@ -942,6 +949,23 @@ void UcxTransport::Core::WaitPosted() {
   ++posted_waiters_;
   started_cv_.wait_for(lock, std::chrono::seconds(1), [&] { return batches_started_ >= target || stopping_.load(); });
   --posted_waiters_;
+}
+
+Transport::Progressed UcxTransport::Core::Progress() {
+  using P = Transport::Progressed;
+  if (t_progress_core == this) return P::kBusy;  // a completion: the round that runs it goes on when it returns
+  std::unique_lock<std::mutex> role(role_mu_, std::try_to_lock);
+  if (!role || stopping_.load()) return P::kBusy;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!connected_) return P::kBusy;
+  }
+  t_progress_core = this;
+  bool active = RunQueued();
+  active = ProgressAll() || active;
+  HandleFailures();
+  t_progress_core = nullptr;
+  return active ? P::kActive : P::kIdle;
 }
 
 void UcxTransport::Core::WakeLocked() {
@@ -1237,8 +1261,19 @@ std::unique_ptr<Request> UcxTransport::Core::Submit(Op::Kind kind, int peer, uin
 }
 
 Status UcxTransport::Core::Wait(Op& op, milliseconds timeout) {
+  timeout = std::clamp(timeout, milliseconds(0), kMaxWait);
+  const auto start = Clock::now();
+  if (op.bytes <= kDriveMaxBytes) {
+    DriveWhileWaiting([this] { return Progress(); },
+                      [&] {
+                        std::lock_guard<std::mutex> lock(mu_);
+                        return op.done;
+                      },
+                      start + timeout);
+  }
   std::unique_lock<std::mutex> lock(mu_);
-  if (!op.cv.wait_for(lock, std::clamp(timeout, milliseconds(0), kMaxWait), [&] { return op.done; })) {
+  const auto left = timeout - std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+  if (!op.cv.wait_for(lock, std::max(left, milliseconds(0)), [&] { return op.done; })) {
     return DeadlineExceeded("rank {} waited {} ms for rank {} ({}); the request is still pending", rank_.load(),
                             timeout.count(), op.peer, Describe(op));
   }
@@ -1562,7 +1597,7 @@ void UcxTransport::Core::Drain() {
   }
 }
 
-void UcxTransport::Core::Sleep(Clock::duration max) {
+void UcxTransport::Core::Sleep(std::unique_lock<std::mutex>& role, Clock::duration max) {
   for (ucp_worker_h w : workers_) {
     const ucs_status_t st = ucp_worker_arm(w);
     if (st == UCS_ERR_BUSY) return;  // events pending: progress first
@@ -1576,6 +1611,7 @@ void UcxTransport::Core::Sleep(Clock::duration max) {
     if (work_.load() || stopping_.load()) return;
     sleeping_ = true;
   }
+  role.unlock();  // a caller may make progress meanwhile
   const auto ms = std::chrono::duration_cast<milliseconds>(max).count() + 1;
   epoll_event events[4];
   epoll_wait(epoll_fd_, events, 4, static_cast<int>(std::clamp<int64_t>(ms, 1, 1000)));
@@ -1591,7 +1627,15 @@ void UcxTransport::Core::Sleep(Clock::duration max) {
 void UcxTransport::Core::Run() {
   auto last_activity = Clock::now();
   auto next_check = last_activity + options_.liveness_interval;
-  while (true) {
+  while (!stopping_.load()) {
+    std::unique_lock<std::mutex> role(role_mu_, std::try_to_lock);
+    if (!role) {
+      // A caller is making progress (Progress()) and stops once its own
+      // operation is done: stay awake to take over.
+      last_activity = Clock::now();
+      std::this_thread::yield();
+      continue;
+    }
     bool active = RunQueued();
     active = ProgressAll() || active;
     HandleFailures();
@@ -1600,7 +1644,6 @@ void UcxTransport::Core::Run() {
       CheckPeers();
       next_check = now + options_.liveness_interval;
     }
-    if (stopping_.load()) break;
     if (active) {
       last_activity = now;
       continue;
@@ -1609,16 +1652,18 @@ void UcxTransport::Core::Run() {
       // Nothing this round: let a thread waiting for this core run (on a
       // busy host it is often the one that consumes what arrives). Costs
       // one system call when no other thread is runnable.
+      role.unlock();
       std::this_thread::yield();
       continue;
     }
-    Sleep(next_check - now);
+    Sleep(role, next_check - now);
     last_activity = Clock::now();
   }
   Teardown();
 }
 
 void UcxTransport::Core::Teardown() {
+  const std::lock_guard<std::mutex> role(role_mu_);  // waits for a caller's round (Progress() does no more)
   t_quiet_ucx_warnings = true;
   const auto deadline = Clock::now() + options_.close_timeout;
   auto until = [&](const std::function<bool()>& done) {
@@ -1741,6 +1786,10 @@ std::unique_ptr<Request> UcxTransport::RecvAsync(int peer, uint64_t tag, void* d
 
 void UcxTransport::WaitPosted() {
   core_->WaitPosted();
+}
+
+Transport::Progressed UcxTransport::Progress() {
+  return core_->Progress();
 }
 
 }  // namespace tandem::transport

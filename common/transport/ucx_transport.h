@@ -34,10 +34,19 @@
 //   links), which wakes its receiver through the socket itself; only when
 //   the two have no common network transport do they fall back to shared
 //   memory, with a warning.
-// - One progress thread owns both workers (UCS_THREAD_MODE_SINGLE) and makes
-//   every UCX call after Create. Send, Recv, Wait and the Request destructor
-//   hand operations to it through a mutex-protected queue and wait on
-//   condition variables, so no caller ever drives UCX progress. The thread
+// - One progress thread owns both workers and makes the UCX calls after
+//   Create. Send, Recv and the Request destructor hand operations to it
+//   through a mutex-protected queue. A thread that waits (Request::Wait,
+//   or a caller of Progress() such as PsOp::Wait) first runs rounds of the
+//   same loop itself, on its own thread, whenever the progress thread is not
+//   in one, and while they find work (transport::DriveWhileWaiting); then
+//   it blocks on a condition variable. The workers are
+//   UCS_THREAD_MODE_SERIALIZED; a mutex (the role) says which thread makes
+//   UCX calls and runs completions, so completions never run concurrently.
+//   On a host where the waiter and the progress thread share a core, this
+//   saves the two context switches and wake-ups of each hand-off, which cost
+//   more than a small message itself (docs/benchmarks.md, "Waiters drive the
+//   transport"). The thread
 //   polls while there is traffic (yielding the CPU between polls that found
 //   nothing, so that threads sharing its core, such as the one consuming
 //   what it receives, are not starved), then (UcxProgressMode::kAdaptive) sleeps
@@ -231,6 +240,10 @@ class UcxTransport final : public Transport {
   // Operations are started by the progress thread: waits (up to a second)
   // until it has started those posted before the call.
   void WaitPosted() override;
+  // One round of the progress thread's loop on the calling thread, when the
+  // progress thread is not in one (it yields meanwhile). Wait does this
+  // before it blocks.
+  Progressed Progress() override;
 
   class Core;  // implementation detail (ucx_transport.cc)
 

@@ -22,8 +22,15 @@ constexpr size_t kInitBytesPerCall = 8u << 20;
 // ---------------------------------------------------------------------------
 
 Status PsOp::Wait(std::chrono::milliseconds timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  if (progress_ && std::max(bytes_, dst_bytes_) <= transport::kDriveMaxBytes) {
+    transport::DriveWhileWaiting(
+        progress_, [this] { return done(); }, start + timeout);
+  }
+  const auto left =
+      timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
   std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [this] { return done_; })) {
+  if (!cv_.wait_for(lock, std::max(left, std::chrono::milliseconds(0)), [this] { return done_; })) {
     return DeadlineExceeded("{} of partition {} (step {}) not answered within {} ms", ps::FrameTypeName(reply_.type),
                             reply_.partition, reply_.step, timeout.count());
   }
@@ -222,6 +229,10 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
     group->ops[header.request_id] = op;
   }
   std::weak_ptr<Group> weak = group;
+  op->progress_ = [weak] {
+    auto g = weak.lock();
+    return g ? g->channel->Progress() : transport::Transport::Progressed::kBusy;
+  };
   const uint64_t id = header.request_id;
   group->channel->Send(rank->second, header, data, bytes, [weak, id](const Status& sent) {
     if (sent.ok()) return;

@@ -66,6 +66,12 @@ class PsOp {
  public:
   // Blocks until the server answered, the epoch was superseded, or `timeout`
   // passed (DEADLINE_EXCEEDED; the op stays pending and can be waited again).
+  // For a request of up to transport::kDriveMaxBytes, the waiting thread
+  // first drives the epoch's transport itself
+  // (transport::DriveWhileWaiting: no hand-off to the transport's thread and
+  // back for a short request); the completions of other operations of the
+  // epoch may run on it then. Must not be called holding a lock that
+  // PsClient's callbacks (on_answered) take.
   Status Wait(std::chrono::milliseconds timeout);
   bool done() const;
   // After completion: the reply's header (flags: ps::kFlagDuplicate for an
@@ -75,6 +81,9 @@ class PsOp {
  private:
   friend class PsClient;
   void Complete(const ps::Frame& reply, Status status);
+  // Drives the epoch's transport (FrameChannel::Progress); kBusy once the
+  // epoch's group is gone.
+  std::function<transport::Transport::Progressed()> progress_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
