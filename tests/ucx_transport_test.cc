@@ -676,6 +676,26 @@ TEST_P(UcxPathTest, ProgressRunsCompletionsOnTheCallingThreadOneAtATime) {
   EXPECT_EQ(elsewhere.load(), 0) << "a completion ran outside the progress thread and Progress";
   EXPECT_EQ(nested_not_busy.load(), 0) << "Progress inside a completion must do nothing";
   EXPECT_EQ(on_caller.load() + on_progress_thread.load(), kMessages);
+  // A completion that drives another transport keeps its own role: a request
+  // of its transport dropped there afterwards does not wait (it would wait
+  // for itself).
+  Group other_group = Connected(2, Options());
+  ASSERT_EQ(other_group.size(), 2u);
+  std::atomic<bool> nested_done{false};
+  int64_t nested_value = 0, unused = 0;
+  auto nested = g[1]->RecvAsync(0, 5, &nested_value, sizeof(nested_value), [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    (void)other_group[1]->Progress();
+    auto pending = g[1]->RecvAsync(0, 6, &unused, sizeof(unused), [](const Status&) {});
+    pending.reset();  // must not wait for this thread's own round
+    nested_done.store(true);
+  });
+  const int64_t five = 5;
+  EXPECT_TRUE(g[0]->Send(1, 5, &five, sizeof(five))->Wait(kWait).ok());
+  const auto nested_deadline = Clock::now() + kWait;
+  while (!nested_done.load() && Clock::now() < nested_deadline) std::this_thread::sleep_for(milliseconds(1));
+  EXPECT_TRUE(nested_done.load()) << "a dropped request waited inside a completion";
+  EXPECT_EQ(nested_value, 5);
   // A request waited on the usual way still completes while callers drive.
   int64_t value = 42, got = 0;
   auto recv = g[1]->Recv(0, 7, &got, sizeof(got));

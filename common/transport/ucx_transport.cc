@@ -76,8 +76,9 @@ constexpr milliseconds kMaxWait = std::chrono::hours(24 * 365);
 // Set on the progress thread while it tears UCX down: UCX's warnings about
 // requests still held for dead peers are expected then.
 thread_local bool t_quiet_ucx_warnings = false;
-// The transport whose progress thread this is: completions run there, and
-// a Request of that transport dropped there must not wait for them.
+// The transport whose progress role this thread holds (its progress thread,
+// or a caller inside Progress()): completions run there, and a Request of
+// that transport dropped there must not wait for them.
 thread_local const void* t_progress_core = nullptr;
 
 __attribute__((format(printf, 6, 0))) ucs_log_func_rc_t LogToSpdlog(const char* file, unsigned line,
@@ -960,11 +961,20 @@ Transport::Progressed UcxTransport::Core::Progress() {
     std::lock_guard<std::mutex> lock(mu_);
     if (!connected_) return P::kBusy;
   }
+  // This thread may be another transport's progress thread, in one of its
+  // completions: it gets that role back.
+  const void* const outer = t_progress_core;
   t_progress_core = this;
   bool active = RunQueued();
   active = ProgressAll() || active;
   HandleFailures();
-  t_progress_core = nullptr;
+  t_progress_core = outer;
+  if (polled_sends_ > 0) {
+    // Sends waiting for room in a FIFO raise no event: the progress thread
+    // must not sleep through them once this caller stops.
+    std::lock_guard<std::mutex> lock(mu_);
+    if (sleeping_) WakeLocked();
+  }
   return active ? P::kActive : P::kIdle;
 }
 
