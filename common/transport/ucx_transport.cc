@@ -897,6 +897,11 @@ Status UcxTransport::Core::Init() {
 }
 
 void UcxTransport::Core::Start() {
+  // spdlog builds its registry on first use. Built here, before the progress
+  // thread starts, it is never built by two ranks' progress threads at once
+  // (their first log lines come together, from Connect), which
+  // ThreadSanitizer reports since spdlog's library is not instrumented.
+  (void)spdlog::default_logger_raw();
   thread_ = std::thread([this] {
     pthread_setname_np(pthread_self(), "tandem-ucx");
     t_progress_core = this;
