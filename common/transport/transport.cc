@@ -18,9 +18,10 @@ std::unique_ptr<Request> Completed(Status status) {
   return std::make_unique<CompletedRequest>(std::move(status));
 }
 
-void DriveWhileWaiting(const std::function<Transport::Progressed()>& progress, const std::function<bool()>& done,
-                       std::chrono::steady_clock::time_point deadline) {
+void DriveWhileWaiting(size_t bytes, const std::function<Transport::Progressed()>& progress,
+                       const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline) {
   using Progressed = Transport::Progressed;
+  if (bytes > kDriveMaxBytes || !progress) return;
   auto active = std::chrono::steady_clock::now();
   while (!done()) {
     const Progressed round = progress();

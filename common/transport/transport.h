@@ -90,17 +90,17 @@ class Transport {
 // A request that is already complete, with `status`.
 std::unique_ptr<Request> Completed(Status status);
 
-// For a thread about to block on an operation: calls `progress` (a
-// transport's Progress) until `done` says true, `deadline` passes, the
+// For a thread about to block on an operation of `bytes`: calls `progress`
+// (a transport's Progress) until `done` says true, `deadline` passes, the
 // transport is being progressed by another thread (kBusy), or kDriveIdle
-// passes without a round that found work. The caller then waits as usual
-// for what is left. Waiters drive only for operations of up to
-// kDriveMaxBytes: for larger ones the hand-off is a small part of the time,
+// passes without a round that found work. The caller then waits until
+// `deadline` as usual for what is left. Does nothing for operations larger
+// than kDriveMaxBytes: for those the hand-off is a small part of the time,
 // and a waiter that polls beside the transport's thread on a shared core
 // slowed 16 MiB transfers by 5-10%.
 inline constexpr std::chrono::microseconds kDriveIdle{50};
 inline constexpr size_t kDriveMaxBytes = size_t{1} << 20;
-void DriveWhileWaiting(const std::function<Transport::Progressed()>& progress, const std::function<bool()>& done,
-                       std::chrono::steady_clock::time_point deadline);
+void DriveWhileWaiting(size_t bytes, const std::function<Transport::Progressed()>& progress,
+                       const std::function<bool()>& done, std::chrono::steady_clock::time_point deadline);
 
 }  // namespace tandem::transport

@@ -1277,18 +1277,16 @@ std::unique_ptr<Request> UcxTransport::Core::Submit(Op::Kind kind, int peer, uin
 
 Status UcxTransport::Core::Wait(Op& op, milliseconds timeout) {
   timeout = std::clamp(timeout, milliseconds(0), kMaxWait);
-  const auto start = Clock::now();
-  if (op.bytes <= kDriveMaxBytes) {
-    DriveWhileWaiting([this] { return Progress(); },
-                      [&] {
-                        std::lock_guard<std::mutex> lock(mu_);
-                        return op.done;
-                      },
-                      start + timeout);
-  }
+  const auto deadline = Clock::now() + timeout;
+  DriveWhileWaiting(
+      op.bytes, [this] { return Progress(); },
+      [&] {
+        std::lock_guard<std::mutex> lock(mu_);
+        return op.done;
+      },
+      deadline);
   std::unique_lock<std::mutex> lock(mu_);
-  const auto left = timeout - std::chrono::duration_cast<milliseconds>(Clock::now() - start);
-  if (!op.cv.wait_for(lock, std::max(left, milliseconds(0)), [&] { return op.done; })) {
+  if (!op.cv.wait_until(lock, deadline, [&] { return op.done; })) {
     return DeadlineExceeded("rank {} waited {} ms for rank {} ({}); the request is still pending", rank_.load(),
                             timeout.count(), op.peer, Describe(op));
   }

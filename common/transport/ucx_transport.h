@@ -36,9 +36,9 @@
 //   memory, with a warning.
 // - One progress thread owns both workers and makes the UCX calls after
 //   Create. Send, Recv and the Request destructor hand operations to it
-//   through a mutex-protected queue. A thread that waits (Request::Wait,
-//   or a caller of Progress() such as PsOp::Wait) first runs rounds of the
-//   same loop itself, on its own thread, whenever the progress thread is not
+//   through a mutex-protected queue. A thread that waits for an operation of
+//   up to 1 MiB (Request::Wait, or a caller of Progress() such as
+//   PsOp::Wait) first runs rounds of the same loop itself, on its own thread, whenever the progress thread is not
 //   in one, and while they find work (transport::DriveWhileWaiting); then
 //   it blocks on a condition variable. The workers are
 //   UCS_THREAD_MODE_SERIALIZED; a mutex (the role) says which thread makes

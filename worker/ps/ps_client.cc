@@ -22,15 +22,11 @@ constexpr size_t kInitBytesPerCall = 8u << 20;
 // ---------------------------------------------------------------------------
 
 Status PsOp::Wait(std::chrono::milliseconds timeout) {
-  const auto start = std::chrono::steady_clock::now();
-  if (progress_ && std::max(bytes_, dst_bytes_) <= transport::kDriveMaxBytes) {
-    transport::DriveWhileWaiting(
-        progress_, [this] { return done(); }, start + timeout);
-  }
-  const auto left =
-      timeout - std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start);
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  transport::DriveWhileWaiting(
+      std::max(bytes_, dst_bytes_), progress_, [this] { return done(); }, deadline);
   std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, std::max(left, std::chrono::milliseconds(0)), [this] { return done_; })) {
+  if (!cv_.wait_until(lock, deadline, [this] { return done_; })) {
     return DeadlineExceeded("{} of partition {} (step {}) not answered within {} ms", ps::FrameTypeName(reply_.type),
                             reply_.partition, reply_.step, timeout.count());
   }

@@ -66,11 +66,10 @@ class PsOp {
  public:
   // Blocks until the server answered, the epoch was superseded, or `timeout`
   // passed (DEADLINE_EXCEEDED; the op stays pending and can be waited again).
-  // For a request of up to transport::kDriveMaxBytes, the waiting thread
-  // first drives the epoch's transport itself
-  // (transport::DriveWhileWaiting: no hand-off to the transport's thread and
-  // back for a short request); the completions of other operations of the
-  // epoch may run on it then. Must not be called holding a lock that
+  // The waiting thread first drives the epoch's transport itself
+  // (transport::DriveWhileWaiting, for requests of up to 1 MiB: no hand-off
+  // to the transport's thread and back); the completions of other operations
+  // of the epoch may run on it then. Must not be called holding a lock that
   // PsClient's callbacks (on_answered) take.
   Status Wait(std::chrono::milliseconds timeout);
   bool done() const;
