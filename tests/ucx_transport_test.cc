@@ -613,6 +613,67 @@ TEST_P(UcxPathTest, WaitPostedReturnsOnceEarlierOperationsAreStarted) {
       << "WaitPosted on the progress thread waited for itself";
 }
 
+// Inside a completion, WaitPosted starts what the completion posted at once,
+// in order, so that a reply does not wait for the work its sender goes on
+// with: the peer receives it while the completion still runs. The sends'
+// own completions run after that completion returns, never inside it.
+thread_local bool t_in_outer_completion = false;
+
+TEST_P(UcxPathTest, WaitPostedInsideACompletionStartsItsSendsBeforeItReturns) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> arrived{0};
+    int64_t header = -1;
+    std::vector<char> body(256, 0);
+    auto on_arrival = [&](const Status& s) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      arrived.fetch_add(1);
+    };
+    auto recv_header = g[1]->RecvAsync(0, 11, &header, sizeof(header), on_arrival);
+    auto recv_body = g[1]->RecvAsync(0, 12, body.data(), body.size(), on_arrival);
+    const int64_t sent_header = round;
+    std::vector<char> sent_body(256, static_cast<char>('a' + round));
+    std::unique_ptr<Request> send_header, send_body;
+    std::atomic<int> sends_done{0}, sends_done_inside{0};
+    std::atomic<bool> arrived_inside{false}, returned{false};
+    auto on_sent = [&](const Status& s) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      if (t_in_outer_completion) sends_done_inside.fetch_add(1);
+      sends_done.fetch_add(1);
+    };
+    int64_t trigger = 0;
+    auto request = g[0]->RecvAsync(1, 10, &trigger, sizeof(trigger), [&](const Status& s) {
+      EXPECT_TRUE(s.ok()) << s.ToString();
+      t_in_outer_completion = true;
+      send_header = g[0]->SendAsync(1, 11, &sent_header, sizeof(sent_header), on_sent);
+      send_body = g[0]->SendAsync(1, 12, sent_body.data(), sent_body.size(), on_sent);
+      g[0]->WaitPosted();
+      // Rank 1's own progress thread receives them meanwhile.
+      const auto until = Clock::now() + std::chrono::seconds(5);
+      while (arrived.load() < 2 && Clock::now() < until) std::this_thread::yield();
+      arrived_inside.store(arrived.load() == 2);
+      t_in_outer_completion = false;
+      returned.store(true);
+    });
+    const int64_t go = 1;
+    ASSERT_TRUE(g[1]->Send(0, 10, &go, sizeof(go))->Wait(kWait).ok());
+    const auto deadline = Clock::now() + kWait;
+    while ((!returned.load() || sends_done.load() < 2 || arrived.load() < 2) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(1));
+    }
+    ASSERT_TRUE(returned.load()) << "round " << round;
+    EXPECT_TRUE(arrived_inside.load()) << "round " << round << ": the sends waited for the completion to return";
+    EXPECT_EQ(sends_done.load(), 2) << "round " << round;
+    EXPECT_EQ(sends_done_inside.load(), 0) << "round " << round << ": a send's completion ran inside another one";
+    EXPECT_EQ(header, round);
+    EXPECT_EQ(body, sent_body) << "round " << round;
+    request.reset();
+    send_header.reset();
+    send_body.reset();
+  }
+}
+
 // A caller may run the progress loop itself (Progress): completions then run
 // on it, never on a thread that is neither the progress thread nor inside
 // Progress, and never two at once, while two callers and the progress thread

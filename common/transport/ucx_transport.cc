@@ -80,6 +80,10 @@ thread_local bool t_quiet_ucx_warnings = false;
 // or a caller inside Progress()): completions run there, and a Request of
 // that transport dropped there must not wait for them.
 thread_local const void* t_progress_core = nullptr;
+// The transport that is starting operations inside a completion
+// (Core::WaitPosted there): what ends at once is finished later, not inside
+// the completion that posted it.
+thread_local const void* t_deferring_core = nullptr;
 
 __attribute__((format(printf, 6, 0))) ucs_log_func_rc_t LogToSpdlog(const char* file, unsigned line,
                                                                     const char* /*function*/, ucs_log_level_t level,
@@ -658,6 +662,11 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   // Progress thread.
   void Run();
   bool RunQueued();
+  // Takes what was posted into starting_ and starts it in order; with
+  // `defer`, operations that end at once are finished later (deferred_).
+  void StartPosted(bool defer);
+  // Finishes the operations deferred_ holds.
+  bool RunDeferred();
   bool ProgressAll();
   void Drain();
   // Releases the role while it sleeps.
@@ -716,6 +725,11 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   std::unordered_map<Op*, std::shared_ptr<Op>> inflight_;  // ops whose UCX request is alive
   std::deque<std::pair<int, std::string>> failures_;       // from UCX callbacks, handled after progress
   std::vector<void*> closing_;                             // endpoint close requests
+  // Taken from posted_ and not yet started, in posting order: a completion
+  // that starts operations itself (WaitPosted) starts these first.
+  std::deque<std::shared_ptr<Op>> starting_;
+  // Operations that ended while they were started inside a completion.
+  std::vector<std::pair<std::shared_ptr<Op>, Status>> deferred_;
   // Eager shared-memory sends in flight to live peers. Such a send waits for
   // room in the peer's FIFO, which raises no event: the thread polls while
   // there are any.
@@ -946,7 +960,13 @@ auto UcxTransport::Core::OnProgressThread(F&& fn) -> decltype(fn()) {
 }
 
 void UcxTransport::Core::WaitPosted() {
-  if (t_progress_core == this) return;  // they start when the running callback returns
+  if (t_progress_core == this) {
+    // A completion (this thread holds the role): start what was posted now,
+    // rather than when the completion returns, so that a reply does not
+    // wait for the work its sender goes on with.
+    StartPosted(/*defer=*/true);
+    return;
+  }
   std::unique_lock<std::mutex> lock(mu_);
   // What is queued goes with the next batch; a batch taken but not started
   // yet may hold this thread's operations too.
@@ -1440,6 +1460,14 @@ void UcxTransport::Core::Finish(Op& op, Status status) {
   // A completion runs after the op is done (so Wait returns) but before a
   // thread dropping its Request returns (in_callback).
   const std::shared_ptr<Op> keep = op.shared_from_this();
+  if (t_deferring_core == this) {
+    // Started inside a completion: its own completion runs after that one
+    // returns, at the start of the next round.
+    deferred_.emplace_back(keep, std::move(status));
+    std::lock_guard<std::mutex> lock(mu_);
+    WakeLocked();  // a caller's round may be the last for a while
+    return;
+  }
   Transport::Completion callback;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1559,31 +1587,60 @@ void UcxTransport::Core::CheckPeers() {
 // The progress thread.
 
 bool UcxTransport::Core::RunQueued() {
-  if (!work_.load(std::memory_order_acquire)) return false;
-  std::vector<std::shared_ptr<Op>> posted, cancels;
+  bool active = RunDeferred();
+  if (!work_.load(std::memory_order_acquire)) return active;
+  std::vector<std::shared_ptr<Op>> cancels;
   std::vector<std::function<void()>> tasks;
-  uint64_t batch = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    posted.swap(posted_);
     cancels.swap(cancels_);
     tasks.swap(tasks_);
     work_.store(false, std::memory_order_relaxed);
-    if (!posted.empty()) batch = ++batches_taken_;
+    active = active || !posted_.empty() || !cancels.empty() || !tasks.empty();
   }
-  for (auto& op : posted) Start(op);
+  StartPosted(/*defer=*/false);
+  for (auto& op : cancels) Cancel(op);
+  for (auto& task : tasks) task();
+  return active;
+}
+
+void UcxTransport::Core::StartPosted(bool defer) {
+  uint64_t batch = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!posted_.empty()) {
+      batch = ++batches_taken_;
+      for (auto& op : posted_) starting_.push_back(std::move(op));
+      posted_.clear();
+    }
+  }
+  const void* const outer = t_deferring_core;
+  if (defer) t_deferring_core = this;
+  // A completion run by a Start below may start operations itself
+  // (WaitPosted): it takes them from starting_ in the same order.
+  while (!starting_.empty()) {
+    std::shared_ptr<Op> op = std::move(starting_.front());
+    starting_.pop_front();
+    Start(op);
+  }
+  t_deferring_core = outer;
   if (batch != 0) {
     bool waiters = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      batches_started_ = batch;
+      batches_started_ = std::max(batches_started_, batch);
       waiters = posted_waiters_ > 0;
     }
     if (waiters) started_cv_.notify_all();
   }
-  for (auto& op : cancels) Cancel(op);
-  for (auto& task : tasks) task();
-  return !posted.empty() || !cancels.empty() || !tasks.empty();
+}
+
+bool UcxTransport::Core::RunDeferred() {
+  if (deferred_.empty()) return false;
+  std::vector<std::pair<std::shared_ptr<Op>, Status>> ended;
+  ended.swap(deferred_);
+  for (auto& [op, status] : ended) Finish(*op, std::move(status));
+  return true;
 }
 
 bool UcxTransport::Core::ProgressAll() {

@@ -238,7 +238,9 @@ class UcxTransport final : public Transport {
   std::unique_ptr<Request> SendAsync(int peer, uint64_t tag, const void* data, size_t bytes, Completion done) override;
   std::unique_ptr<Request> RecvAsync(int peer, uint64_t tag, void* data, size_t bytes, Completion done) override;
   // Operations are started by the progress thread: waits (up to a second)
-  // until it has started those posted before the call.
+  // until it has started those posted before the call. Inside a completion
+  // (the thread holds the progress role) it starts them itself, in order;
+  // what ends at once completes at the start of the next round.
   void WaitPosted() override;
   // One round of the progress thread's loop on the calling thread, when the
   // progress thread is not in one (it yields meanwhile). Wait does this
