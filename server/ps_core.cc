@@ -1136,13 +1136,22 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     }
     const bool complete = part->folded == part->contributors;
     // A small push taken in on the completion thread finishes the step
-    // there: its scan and update cost less than handing them over.
+    // there: its scan and update cost less than handing them over. It is
+    // acknowledged first (the reply leaves before the scan: SendReply).
     if (complete && later != nullptr && h.payload_bytes <= kInlineFinishBytes) {
-      part->ready = true;
-      const GradScan scan = ScanForNorm(part->acc->data(), n, part->segments);
-      part->last_share = ps::ShareEntry{h.partition, scan.finite ? 1u : 0u, scan.sum_squares};
+      const std::shared_ptr<std::vector<float>> acc = part->acc;
       plock.unlock();
       reply(ok, {});
+      if (!plock.try_lock()) {  // held by a pull or a snapshot: not waited for here
+        Defer(later, [this, part, acc, epoch, step = h.step] { FinishAggregation(*part, acc, epoch, step); });
+        return true;
+      }
+      // Replaced meanwhile: a new epoch dropped the step's pushes.
+      if (!Complete(*part, epoch, h.step) || part->acc != acc) return true;
+      part->ready = true;
+      const GradScan scan = ScanForNorm(acc->data(), n, part->segments);
+      part->last_share = ps::ShareEntry{h.partition, scan.finite ? 1u : 0u, scan.sum_squares};
+      plock.unlock();
       ShareStep(epoch, h.step, later);
       // Larger partitions here may be waiting for this one to scan.
       if (scans_pending_.load() > 0) Defer(later, [this, epoch, step = h.step] { ScanStep(epoch, step); });
@@ -1154,9 +1163,9 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       return true;
     }
     // The push is in: it is acknowledged before the step's scan and update,
-    // which follow on this thread (or on the receiver thread, for a push
-    // taken in on the completion thread, whose reply leaves only when it
-    // returns). The scans wait until every partition here has the step
+    // which follow on this thread (or on the receiver thread, for a larger
+    // push taken in on the completion thread, which would hold up every
+    // peer's messages). The scans wait until every partition here has the step
     // (ScanStep), so that they do not hold up the pushes of the others;
     // until its scan is done a partition is not ready, so nothing shares or
     // decides the step.

@@ -235,10 +235,11 @@ class ParameterStore {
   // Pushes of at most this many bytes may be taken in by TryPush.
   static constexpr uint64_t kInlinePushBytes = 1ULL << 20;
   // A push taken in by TryPush that completes its partition's step goes on
-  // with the step (scan, share, update) right there when it is at most this
-  // large; a larger one leaves all of that in `later`, so that its reply,
-  // which the completion thread sends only once it returns, does not wait
-  // for it.
+  // with the step (scan, share, update) right there, after its reply (which
+  // the reply function hands to the transport first: Transport::WaitPosted),
+  // when it is at most this large; a larger one leaves all of that in
+  // `later`, so that the completion thread, which carries every peer's
+  // messages, is not held up by it.
   static constexpr uint64_t kInlineFinishBytes = 256ULL << 10;
   // Push without waiting for a lock, in sync mode, of at most
   // kInlinePushBytes: checks the push, folds it into the step's gradient
