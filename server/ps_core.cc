@@ -1142,7 +1142,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
       const std::shared_ptr<std::vector<float>> acc = part->acc;
       plock.unlock();
       reply(ok, {});
-      if (!plock.try_lock()) {  // held by a pull or a snapshot: not waited for here
+      if (!plock.try_lock()) {  // held (a pull, a snapshot, another partition's scan): not waited for here
         Defer(later, [this, part, acc, epoch, step = h.step] { FinishAggregation(*part, acc, epoch, step); });
         return true;
       }

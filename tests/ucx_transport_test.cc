@@ -674,6 +674,39 @@ TEST_P(UcxPathTest, WaitPostedInsideACompletionStartsItsSendsBeforeItReturns) {
   }
 }
 
+// A send started inside the last completion before the transport closes
+// (WaitPosted) and ended at once still has its completion run, by the close.
+TEST_P(UcxPathTest, SendsStartedInsideTheLastCompletionCompleteAtClose) {
+  Group g = Connected(2, Options());
+  ASSERT_EQ(g.size(), 2u);
+  std::atomic<bool> entered{false}, sent_done{false};
+  std::atomic<int> sent_code{-1};
+  int64_t trigger = 0, value = 7, got = 0;
+  std::unique_ptr<Request> send;
+  auto recv_got = g[1]->Recv(0, 21, &got, sizeof(got));
+  auto request = g[0]->RecvAsync(1, 20, &trigger, sizeof(trigger), [&](const Status& s) {
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    send = g[0]->SendAsync(1, 21, &value, sizeof(value), [&](const Status& st) {
+      sent_code.store(static_cast<int>(st.code()));
+      sent_done.store(true);
+    });
+    g[0]->WaitPosted();
+    entered.store(true);
+    std::this_thread::sleep_for(milliseconds(200));  // the transport starts closing meanwhile
+  });
+  const int64_t go = 1;
+  ASSERT_TRUE(g[1]->Send(0, 20, &go, sizeof(go))->Wait(kWait).ok());
+  const auto deadline = Clock::now() + kWait;
+  while (!entered.load() && Clock::now() < deadline) std::this_thread::sleep_for(milliseconds(1));
+  ASSERT_TRUE(entered.load());
+  g[0].reset();  // returns once the progress thread has closed the transport
+  EXPECT_TRUE(sent_done.load()) << "the send's completion never ran";
+  EXPECT_EQ(sent_code.load(), static_cast<int>(StatusCode::kOk));
+  EXPECT_TRUE(recv_got->Wait(kWait).ok());
+  EXPECT_EQ(got, 7);
+  if (!sent_done.load()) (void)send.release();  // dropping it would wait for ever
+}
+
 // A caller may run the progress loop itself (Progress): completions then run
 // on it, never on a thread that is neither the progress thread nor inside
 // Progress, and never two at once, while two callers and the progress thread

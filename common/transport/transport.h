@@ -74,9 +74,10 @@ class Transport {
   // operations are started by a thread of its own may otherwise not start
   // them until this thread gives up its core. Does not wait on that thread
   // itself, or on a transport that starts operations inside the call. Inside
-  // a completion it starts what was posted there right away, in order, where
-  // the transport can (their own completions still run after the running one
-  // returns), instead of when that completion returns.
+  // a completion it starts what is posted right away (what that completion
+  // posted, with anything posted before it), in order, where the transport
+  // can, instead of when that completion returns; the completions of those
+  // operations still run only after the running one returns.
   virtual void WaitPosted() {}
   // Makes one round of progress on the calling thread, for a caller about to
   // wait for an operation: starts what was posted and runs the completions of

@@ -1614,16 +1614,21 @@ void UcxTransport::Core::StartPosted(bool defer) {
       posted_.clear();
     }
   }
-  const void* const outer = t_deferring_core;
-  if (defer) t_deferring_core = this;
-  // A completion run by a Start below may start operations itself
-  // (WaitPosted): it takes them from starting_ in the same order.
-  while (!starting_.empty()) {
-    std::shared_ptr<Op> op = std::move(starting_.front());
-    starting_.pop_front();
-    Start(op);
+  {
+    // Restores the outer value however the loop ends.
+    struct Deferring {
+      const void* outer = t_deferring_core;
+      ~Deferring() { t_deferring_core = outer; }
+    } deferring;
+    if (defer) t_deferring_core = this;
+    // A completion run by a Start below may start operations itself
+    // (WaitPosted): it takes them from starting_ in the same order.
+    while (!starting_.empty()) {
+      std::shared_ptr<Op> op = std::move(starting_.front());
+      starting_.pop_front();
+      Start(op);
+    }
   }
-  t_deferring_core = outer;
   if (batch != 0) {
     bool waiters = false;
     {
@@ -1755,6 +1760,9 @@ void UcxTransport::Core::Teardown() {
                             Describe(*op), op->peer));
     }
   }
+  // Operations started inside the last round's completions that ended at
+  // once (nothing is posted while the transport stops).
+  RunDeferred();
   // Say goodbye to the peers that are still there.
   const uint64_t bye = static_cast<uint64_t>(rank_.load());
   std::vector<std::shared_ptr<Op>> byes;
@@ -1794,6 +1802,8 @@ void UcxTransport::Core::Teardown() {
   for (const auto& [raw, op] : inflight_) {
     Finish(*op, Cancelled("ucx: rank {} closed its transport with a {} with rank {} in flight", rank_.load(),
                           Describe(*op), op->peer));
+  }
+  while (RunDeferred()) {
   }
   DestroyUcx();
   inflight_.clear();
