@@ -664,7 +664,8 @@ class UcxTransport::Core : public std::enable_shared_from_this<UcxTransport::Cor
   bool RunQueued();
   // Takes what was posted into starting_ and starts it in order; with
   // `defer`, operations that end at once are finished later (deferred_).
-  void StartPosted(bool defer);
+  // Returns whether it took anything.
+  bool StartPosted(bool defer);
   // Finishes the operations deferred_ holds.
   bool RunDeferred();
   bool ProgressAll();
@@ -1464,8 +1465,6 @@ void UcxTransport::Core::Finish(Op& op, Status status) {
     // Started inside a completion: its own completion runs after that one
     // returns, at the start of the next round.
     deferred_.emplace_back(keep, std::move(status));
-    std::lock_guard<std::mutex> lock(mu_);
-    WakeLocked();  // a caller's round may be the last for a while
     return;
   }
   Transport::Completion callback;
@@ -1596,15 +1595,14 @@ bool UcxTransport::Core::RunQueued() {
     cancels.swap(cancels_);
     tasks.swap(tasks_);
     work_.store(false, std::memory_order_relaxed);
-    active = active || !posted_.empty() || !cancels.empty() || !tasks.empty();
   }
-  StartPosted(/*defer=*/false);
+  active = StartPosted(/*defer=*/false) || active;
   for (auto& op : cancels) Cancel(op);
   for (auto& task : tasks) task();
-  return active;
+  return active || !cancels.empty() || !tasks.empty();
 }
 
-void UcxTransport::Core::StartPosted(bool defer) {
+bool UcxTransport::Core::StartPosted(bool defer) {
   uint64_t batch = 0;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -1629,15 +1627,19 @@ void UcxTransport::Core::StartPosted(bool defer) {
       Start(op);
     }
   }
-  if (batch != 0) {
+  // Deferred completions: a caller's round may be the last for a while.
+  const bool wake = defer && !deferred_.empty();
+  if (batch != 0 || wake) {
     bool waiters = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      batches_started_ = std::max(batches_started_, batch);
-      waiters = posted_waiters_ > 0;
+      if (batch != 0) batches_started_ = std::max(batches_started_, batch);
+      waiters = batch != 0 && posted_waiters_ > 0;
+      if (wake) WakeLocked();
     }
     if (waiters) started_cv_.notify_all();
   }
+  return batch != 0;
 }
 
 bool UcxTransport::Core::RunDeferred() {

@@ -38,11 +38,12 @@
 //   Create. Send, Recv and the Request destructor hand operations to it
 //   through a mutex-protected queue. A thread that waits for an operation of
 //   up to 1 MiB (Request::Wait, or a caller of Progress() such as
-//   PsOp::Wait) first runs rounds of the same loop itself, on its own thread, whenever the progress thread is not
-//   in one, and while they find work (transport::DriveWhileWaiting); then
-//   it blocks on a condition variable. The workers are
-//   UCS_THREAD_MODE_SERIALIZED; a mutex (the role) says which thread makes
-//   UCX calls and runs completions, so completions never run concurrently.
+//   PsOp::Wait) first runs rounds of the same loop itself, on its own
+//   thread, whenever the progress thread is not in one, and while they find
+//   work (transport::DriveWhileWaiting); then it blocks on a condition
+//   variable. The workers are UCS_THREAD_MODE_SERIALIZED; a mutex (the
+//   role) says which thread makes UCX calls and runs completions, so
+//   completions never run concurrently.
 //   On a host where the waiter and the progress thread share a core, this
 //   saves the two context switches and wake-ups of each hand-off, which cost
 //   more than a small message itself (docs/benchmarks.md, "Waiters drive the
