@@ -22,6 +22,7 @@
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <google/protobuf/util/time_util.h>
 
 #include "cli/commands.h"
@@ -789,6 +790,10 @@ int PsStatsCommand(int argc, char** argv) {
                     "replication lag, last checkpoint");
   options.Bool("partitions", &partitions,
                "also list every partition replica: range, role, version, step, traffic, replication lag");
+  bool verify = false;
+  options.Bool("verify_replicas", &verify,
+               "checksum every partition's state on its primary and its backup and compare them (reads all the "
+               "state, under each partition's lock); exit status 1 if two copies at the same version differ");
   DeclareClusterFlags(options, &f, "longest wait for each server's answer");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   const std::string program = options.program();
@@ -803,9 +808,47 @@ int PsStatsCommand(int argc, char** argv) {
     v1::GetStatsRequest request;
     request.set_job_id(cluster.job_id);
     request.set_token(cluster.token);
+    request.set_checksums(verify);
     auto ctx = Deadline(f.timeout);
     out[i].status = Status::FromGrpc(cluster.servers[i].stub->GetStats(ctx.get(), request, &out[i].stats));
   });
+  // --verify-replicas: each partition's copies compared. Copies at
+  // different versions are an update on its way to the backup (or a backup
+  // still being built), not a fault; at the same version they must agree.
+  struct Copy {
+    uint64_t version;
+    uint32_t crc;
+  };
+  std::map<uint32_t, std::vector<Copy>> copies;
+  std::vector<uint32_t> differ, behind, single;
+  size_t agree = 0;
+  if (verify) {
+    for (const auto& o : out) {
+      if (!o.status.ok()) continue;
+      for (const auto& p : o.stats.partitions()) copies[p.partition_id()].push_back({p.version(), p.state_crc32c()});
+    }
+    for (const auto& [id, c] : copies) {
+      if (c.size() < 2) {
+        single.push_back(id);
+        continue;
+      }
+      const bool same_version =
+          std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.version == c[0].version; });
+      const bool same_crc = std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.crc == c[0].crc; });
+      if (!same_version) {
+        behind.push_back(id);
+      } else if (!same_crc) {
+        differ.push_back(id);
+      } else {
+        ++agree;
+      }
+    }
+  }
+  auto id_list = [](const std::vector<uint32_t>& ids) {
+    std::vector<std::string> s;
+    for (uint32_t id : ids) s.push_back(std::to_string(id));
+    return s;
+  };
   auto lag_of = [](const v1::GetStatsResponse& s) {
     uint64_t lag = 0;
     for (const auto& p : s.partitions()) lag = std::max(lag, p.replication_lag());
@@ -856,6 +899,7 @@ int PsStatsCommand(int argc, char** argv) {
                               .Num("bytes_pushed", p.bytes_pushed())
                               .Num("bytes_pulled", p.bytes_pulled())
                               .Num("replication_lag", p.replication_lag())
+                              .Raw("state_crc32c", p.has_state_crc32c() ? std::to_string(p.state_crc32c()) : "null")
                               .str());
         }
         row.Raw("partitions", JsonArray(parts));
@@ -864,15 +908,23 @@ int PsStatsCommand(int argc, char** argv) {
     }
     std::vector<std::string> notes;
     for (const auto& n : cluster.notes) notes.push_back(JsonQuote(n));
-    fmt::print("{}\n", JsonObject()
-                           .Str("job", cluster.job_id)
-                           .Num("epoch", cluster.epoch)
-                           .Num("shard_map_version", cluster.shard_map.version())
-                           .Num("partitions", static_cast<uint64_t>(cluster.shard_map.partitions_size()))
-                           .Flag("ok", failed == 0)
-                           .Raw("notes", JsonArray(notes))
-                           .Raw("servers", JsonArray(rows))
-                           .str());
+    JsonObject top;
+    top.Str("job", cluster.job_id)
+        .Num("epoch", cluster.epoch)
+        .Num("shard_map_version", cluster.shard_map.version())
+        .Num("partitions", static_cast<uint64_t>(cluster.shard_map.partitions_size()))
+        .Flag("ok", failed == 0 && differ.empty())
+        .Raw("notes", JsonArray(notes))
+        .Raw("servers", JsonArray(rows));
+    if (verify) {
+      top.Raw("replicas", JsonObject()
+                              .Num("agree", static_cast<uint64_t>(agree))
+                              .Raw("differ", JsonArray(id_list(differ)))
+                              .Raw("behind", JsonArray(id_list(behind)))
+                              .Raw("without_backup", JsonArray(id_list(single)))
+                              .str());
+    }
+    fmt::print("{}\n", top.str());
   } else {
     fmt::print("job '{}', epoch {}: {} server(s); shard map v{}: {} partitions of {} elements\n", cluster.job_id,
                cluster.epoch, out.size(), cluster.shard_map.version(), cluster.shard_map.partitions_size(),
@@ -925,13 +977,26 @@ int PsStatsCommand(int argc, char** argv) {
       }
     }
   }
-  if (failed == 0) return 0;
+  if (verify && !f.json) {
+    fmt::print(
+        "\nreplicas: {} partition(s) with both copies alike, {} differ, {} with the backup behind, {} without a "
+        "backup\n",
+        agree, differ.size(), behind.size(), single.size());
+    if (!behind.empty()) {
+      fmt::print("  behind (an update or a transfer on its way; run again to see it settle): {}\n",
+                 fmt::join(id_list(behind), ", "));
+    }
+  }
+  if (!differ.empty()) {
+    fmt::print(stderr, "{}: partition(s) {}: the primary and the backup hold different state at the same version\n",
+               program, fmt::join(id_list(differ), ", "));
+  }
   for (size_t i = 0; i < out.size(); ++i) {
     if (!out[i].status.ok()) {
       fmt::print(stderr, "{}: {}: {}\n", program, ServerName(cluster.servers[i]), out[i].status.ToString());
     }
   }
-  return 1;
+  return failed == 0 && differ.empty() ? 0 : 1;
 }
 
 }  // namespace tandem::cli

@@ -8,6 +8,7 @@
 #include <google/protobuf/util/message_differencer.h>
 #include <spdlog/spdlog.h>
 
+#include "common/crc32c.h"
 #include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
 #include "server/checkpoint/checkpoint.h"
@@ -683,7 +684,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
   return response;
 }
 
-v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partition_ids) const {
+v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partition_ids, bool checksums) const {
   v1::GetStatsResponse response;
   std::vector<std::shared_ptr<Part>> parts;
   {
@@ -718,6 +719,12 @@ v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partitio
     s->set_replication_lag(part->role == v1::REPLICA_ROLE_PRIMARY && part->state.step > part->safe_step
                                ? part->state.step - part->safe_step
                                : 0);
+    if (checksums) {
+      const PartitionState& st = part->state;
+      uint32_t crc = Crc32c(st.weights.data(), st.weights.size() * sizeof(float));
+      crc = Crc32c(st.state0.data(), st.state0.size() * sizeof(float), crc);
+      s->set_state_crc32c(Crc32c(st.state1.data(), st.state1.size() * sizeof(float), crc));
+    }
     if (part->role == v1::REPLICA_ROLE_PRIMARY) min_step = std::min(min_step, part->state.step);
     bytes += (part->state.weights.size() + part->state.state0.size() + part->state.state1.size()) * sizeof(float);
   }

@@ -175,7 +175,8 @@ class ParameterStore {
 
   // --- control (gRPC) -----------------------------------------------------
   Result<v1::InitializeParametersResponse> Initialize(const v1::InitializeParametersRequest& request);
-  v1::GetStatsResponse Stats(const std::vector<uint32_t>& partition_ids) const;
+  // With `checksums`, each partition's state_crc32c too (reads all its state).
+  v1::GetStatsResponse Stats(const std::vector<uint32_t>& partition_ids, bool checksums = false) const;
   // Copies the state of this server's primaries once all of them completed
   // `step` (0: the step they are at now, which must be the same on all),
   // waiting up to `timeout`. FAILED_PRECONDITION if a primary is already past

@@ -77,7 +77,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
     if (Status s = Check(request->token()); !s.ok()) return s.ToGrpc();
     if (Status s = CheckJob(request->job_id()); !s.ok()) return s.ToGrpc();
     std::vector<uint32_t> ids(request->partition_ids().begin(), request->partition_ids().end());
-    *response = node_->store().Stats(ids);
+    *response = node_->store().Stats(ids, request->checksums());
     std::lock_guard lock(mu_);
     if (last_.has_checkpoint_id()) {
       *response->mutable_last_checkpoint() = last_.info;

@@ -192,6 +192,20 @@ TEST(CheckpointCliTest, SaveVerifyStatsAndRestoreAgainstRunningServers) {
   EXPECT_EQ(r.exit.ToString(), "exit 0") << r.output;
   EXPECT_NE(r.output.find("\"ok\": true"), std::string::npos) << r.output;
   EXPECT_EQ(Count(r.output, "\"step\": 2"), 4u) << r.output;  // each server's step and its last checkpoint's
+  // Both copies of every partition hold the same state.
+  r = Tandem({"ps", "stats", "--coordinator", address, "--verify-replicas"});
+  EXPECT_EQ(r.exit.ToString(), "exit 0") << r.output;
+  EXPECT_NE(r.output.find("replicas: 5 partition(s) with both copies alike, 0 differ, 0 with the backup behind, 0 "
+                          "without a backup"),
+            std::string::npos)
+      << r.output;
+  r = Tandem({"ps", "stats", "--coordinator", address, "--verify-replicas", "--partitions", "--json"});
+  EXPECT_EQ(r.exit.ToString(), "exit 0") << r.output;
+  EXPECT_NE(r.output.find("\"replicas\": {\"agree\": 5, \"differ\": [], \"behind\": [], \"without_backup\": []}"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(Count(r.output, "\"state_crc32c\": null"), 0u) << r.output;
+  EXPECT_EQ(Count(r.output, "\"state_crc32c\": "), 10u) << r.output;
 
   // Train on, then restore: the corrupt checkpoint is refused, the good one
   // brings back the parameters of step 2.

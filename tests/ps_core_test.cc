@@ -322,20 +322,23 @@ class PsCoreTest : public ::testing::Test {
     }
     return all;
   }
-  // Primary and backup hold bit-identical state for every partition.
+  // Primary and backup hold bit-identical state for every partition: same
+  // version and step, and the same checksum of weights and optimizer state.
   void ExpectReplicasEqual() {
-    auto stats = [&](ParameterStore& s) { return s.CaptureAt(0, std::chrono::milliseconds(100)); };
-    (void)stats;
     for (uint32_t p = 0; p < Partitions(); ++p) {
       ParameterStore* backup = BackupOf(p);
       if (backup == nullptr) continue;
-      auto primary_stats = PrimaryOf(p).Stats({p});
-      auto backup_stats = backup->Stats({p});
+      auto primary_stats = PrimaryOf(p).Stats({p}, /*checksums=*/true);
+      auto backup_stats = backup->Stats({p}, /*checksums=*/true);
       ASSERT_EQ(primary_stats.partitions_size(), 1);
       ASSERT_EQ(backup_stats.partitions_size(), 1);
-      EXPECT_EQ(primary_stats.partitions(0).version(), backup_stats.partitions(0).version()) << "partition " << p;
-      EXPECT_EQ(primary_stats.partitions(0).step(), backup_stats.partitions(0).step()) << "partition " << p;
-      EXPECT_EQ(backup_stats.partitions(0).role(), v1::REPLICA_ROLE_BACKUP);
+      const auto& a = primary_stats.partitions(0);
+      const auto& b = backup_stats.partitions(0);
+      EXPECT_EQ(a.version(), b.version()) << "partition " << p;
+      EXPECT_EQ(a.step(), b.step()) << "partition " << p;
+      EXPECT_EQ(b.role(), v1::REPLICA_ROLE_BACKUP);
+      ASSERT_TRUE(a.has_state_crc32c() && b.has_state_crc32c());
+      EXPECT_EQ(a.state_crc32c(), b.state_crc32c()) << "partition " << p << ": the backup's state differs";
     }
   }
 
@@ -1165,6 +1168,41 @@ TEST_F(PsCoreTest, InitializationHappensOnceAndChecksItsInput) {
   auto invalid = fresh[kFirstServer].Initialize(bad);
   EXPECT_EQ(invalid.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(invalid.status().message().find("beta1"), std::string::npos);
+}
+
+// The checksums that ExpectReplicasEqual compares tell copies apart: two
+// servers given different initial values (which PsClient never does: a
+// backup only gets the values its primary kept) report different
+// checksums exactly for the partitions whose values differ; stats without
+// checksums carry none.
+TEST_F(PsCoreTest, StateChecksumsTellDivergedReplicasApart) {
+  Job job;
+  cluster_.Add(kFirstServer);
+  cluster_.Add(kFirstServer + 1);
+  map_ = MakeMap(job.params, job.partition, cluster_.Live());
+  SetEpoch(1);
+  Job other = job;
+  other.initial[0] += 1;
+  other.initial[job.params - 1] += 1;
+  ASSERT_TRUE(cluster_[kFirstServer].Initialize(job.Init(1)).ok());
+  ASSERT_TRUE(cluster_[kFirstServer + 1].Initialize(other.Init(1)).ok());
+  auto first = cluster_[kFirstServer].Stats({}, /*checksums=*/true);
+  auto second = cluster_[kFirstServer + 1].Stats({}, /*checksums=*/true);
+  ASSERT_EQ(first.partitions_size(), static_cast<int>(Partitions()));
+  ASSERT_EQ(second.partitions_size(), static_cast<int>(Partitions()));
+  int differ = 0;
+  for (int i = 0; i < first.partitions_size(); ++i) {
+    const auto& a = first.partitions(i);
+    const auto& b = second.partitions(i);
+    ASSERT_EQ(a.partition_id(), b.partition_id());
+    ASSERT_TRUE(a.has_state_crc32c());
+    EXPECT_FALSE(cluster_[kFirstServer].Stats({a.partition_id()}).partitions(0).has_state_crc32c());
+    const auto [begin, end] = Range(a.partition_id());
+    const bool changed = begin == 0 || end == job.params;
+    EXPECT_EQ(a.state_crc32c() != b.state_crc32c(), changed) << "partition " << a.partition_id();
+    differ += a.state_crc32c() != b.state_crc32c() ? 1 : 0;
+  }
+  EXPECT_EQ(differ, 2);
 }
 
 class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <filesystem>
 #include <latch>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -124,42 +125,56 @@ std::vector<float> Reference(uint64_t steps) {
   return params;
 }
 
-TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
-  testing::TempDir dir;
-  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(),
-                                          {"--job-id",
-                                           "ps-test",
-                                           "--job-min-workers",
-                                           "2",
-                                           "--job-max-workers",
-                                           "2",
-                                           "--job-min-servers",
-                                           "2",
-                                           "--job-last-call-window",
-                                           "500ms",
-                                           "--job-parameter-count",
-                                           std::to_string(kParams),
-                                           "--job-partition-size",
-                                           "16KiB",
-                                           "--job-heartbeat-interval",
-                                           "200ms",
-                                           "--job-heartbeat-deadline",
-                                           "3s",
-                                           "--job-stream-grace",
-                                           "300ms"});
-  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
-  const std::string address = coordinator->ready.grpc_address;
+// A coordinator of `job` (kWorkers workers, at least two servers, kParams
+// elements in 16 KiB partitions, `extra` flags on top) and `n` tandem-server
+// daemons registered with it.
+struct PsCluster {
+  std::optional<cli::LaunchedDaemon> coordinator;
   std::vector<cli::LaunchedDaemon> servers;
-  for (int i = 0; i < 3; ++i) {
+  std::string address;
+};
+void StartCluster(const testing::TempDir& dir, const std::string& job, int n, const std::vector<std::string>& extra,
+                  PsCluster* out) {
+  std::vector<std::string> args = {"--job-id",
+                                   job,
+                                   "--job-min-workers",
+                                   std::to_string(kWorkers),
+                                   "--job-max-workers",
+                                   std::to_string(kWorkers),
+                                   "--job-min-servers",
+                                   "2",
+                                   "--job-parameter-count",
+                                   std::to_string(kParams),
+                                   "--job-partition-size",
+                                   "16KiB"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(), args);
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  out->coordinator = std::move(*coordinator);
+  out->address = out->coordinator->ready.grpc_address;
+  for (int i = 0; i < n; ++i) {
     auto s = testing::StartDaemon("tandem-server", "server-" + std::to_string(i), dir.path(),
-                                  {"--coordinator-address", address, "--job-id", "ps-test", "--node-id",
+                                  {"--coordinator-address", out->address, "--job-id", job, "--node-id",
                                    "node-s" + std::to_string(i), "--server-threads", "1", "--server-timeout", "20s"});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
-    servers.push_back(std::move(*s));
+    out->servers.push_back(std::move(*s));
   }
-  for (auto& s : servers) {
+  for (auto& s : out->servers) {
     ASSERT_TRUE(testing::WaitRegistered(s, milliseconds(20000))) << testing::ReadFile(s.log_file);
   }
+}
+
+TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
+  testing::TempDir dir;
+  PsCluster cluster;
+  StartCluster(dir, "ps-test", 3,
+               {"--job-last-call-window", "500ms", "--job-heartbeat-interval", "200ms", "--job-heartbeat-deadline",
+                "3s", "--job-stream-grace", "300ms"},
+               &cluster);
+  if (::testing::Test::HasFatalFailure()) return;
+  auto& coordinator = cluster.coordinator;
+  auto& servers = cluster.servers;
+  const std::string address = cluster.address;
   std::vector<std::unique_ptr<testing::PsWorker>> workers;
   for (uint32_t w = 0; w < kWorkers; ++w)
     workers.push_back(std::make_unique<testing::PsWorker>(address, "ps-test", w, kWorkers));
@@ -262,21 +277,27 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   EXPECT_NE(params[0][0], initial[0]);
 
   // Every partition: primary and backup on the two survivors, same version
-  // (kSteps updates), and the promotion and the transfer are in the logs.
-  auto stats = workers[0]->client().Stats();
+  // (kSteps updates) and bit-identical state (weights and moments, by
+  // checksum: the promoted backups and the ones built by transfer alike),
+  // and the promotion and the transfer are in the logs.
+  auto stats = workers[0]->client().Stats(/*checksums=*/true);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   ASSERT_EQ(stats->size(), 2u);
   std::map<uint32_t, std::vector<uint64_t>> versions;
+  std::map<uint32_t, std::set<uint32_t>> checksums;
   for (auto& [member, s] : *stats) {
     for (const auto& p : s.partitions()) {
       versions[p.partition_id()].push_back(p.version());
       EXPECT_EQ(p.step(), kSteps);
+      ASSERT_TRUE(p.has_state_crc32c());
+      checksums[p.partition_id()].insert(p.state_crc32c());
     }
   }
   ASSERT_EQ(versions.size(), 13u);
   for (auto& [id, v] : versions) {
     EXPECT_EQ(v.size(), 2u) << "partition " << id << " has no backup";
     for (uint64_t x : v) EXPECT_EQ(x, kSteps + 1) << "partition " << id;
+    EXPECT_EQ(checksums[id].size(), 1u) << "partition " << id << ": primary and backup hold different state";
   }
   std::string survivors_log;
   for (size_t i = 0; i < servers.size(); ++i) {
@@ -353,6 +374,87 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
     ASSERT_TRUE(exit.ok());
     EXPECT_EQ(exit->code, 0) << testing::ReadFile(servers[i].log_file);
   }
+}
+
+// Two workers initialise at the same moment with different values. Each
+// partition keeps one worker's values, the same on its primary and its
+// backup (checksums of the whole state agree), every copy is initialised
+// exactly once, and two steps later the copies still agree.
+TEST(PsProcessTest, WorkersInitialisingAtOnceWithDifferentValuesLeaveBothCopiesAlike) {
+  testing::TempDir dir;
+  PsCluster cluster;
+  StartCluster(dir, "ps-init", 2, {"--job-last-call-window", "300ms"}, &cluster);
+  if (::testing::Test::HasFatalFailure()) return;
+  const std::string address = cluster.address;
+  std::vector<std::unique_ptr<testing::PsWorker>> workers;
+  for (uint32_t w = 0; w < kWorkers; ++w)
+    workers.push_back(std::make_unique<testing::PsWorker>(address, "ps-init", w, kWorkers));
+  for (auto& w : workers) ASSERT_TRUE(w->WaitEpochAfter(0, milliseconds(30000)));
+  const v1::ShardMap map = workers[0]->client().shard_map();
+  ASSERT_EQ(map.partitions_size(), 13);
+
+  std::vector<std::vector<float>> values(kWorkers, Initial());
+  for (float& x : values[1]) x += 1.0f;
+  std::latch go(kWorkers);
+  std::vector<Result<int>> initialized(kWorkers, Unavailable("not run"));
+  std::vector<std::thread> threads;
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      go.arrive_and_wait();
+      initialized[w] = workers[w]->client().Initialize(testing::FlatTensors(kParams), Optimizer(),
+                                                       v1::ConsistencyConfig(), values[w].data());
+    });
+  }
+  for (auto& t : threads) t.join();
+  int total = 0;
+  for (auto& n : initialized) {
+    ASSERT_TRUE(n.ok()) << n.status().ToString();
+    total += *n;
+  }
+  EXPECT_EQ(total, 26);  // 13 primaries and 13 backups, each once
+
+  auto expect_copies_alike = [&](uint64_t version) {
+    auto stats = workers[0]->client().Stats(/*checksums=*/true);
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    std::map<uint32_t, std::set<uint32_t>> checksums;
+    std::map<uint32_t, int> copies;
+    for (auto& [member, s] : *stats) {
+      for (const auto& p : s.partitions()) {
+        EXPECT_EQ(p.version(), version) << "partition " << p.partition_id();
+        ASSERT_TRUE(p.has_state_crc32c());
+        checksums[p.partition_id()].insert(p.state_crc32c());
+        ++copies[p.partition_id()];
+      }
+    }
+    ASSERT_EQ(checksums.size(), 13u);
+    for (auto& [id, c] : checksums) {
+      EXPECT_EQ(copies[id], 2) << "partition " << id;
+      EXPECT_EQ(c.size(), 1u) << "partition " << id << ": primary and backup hold different state";
+    }
+  };
+  expect_copies_alike(1);
+  // Each partition holds one worker's values, whole.
+  std::vector<float> params(kParams);
+  ASSERT_TRUE(workers[0]->Pull(0, params).ok());
+  for (const auto& p : map.partitions()) {
+    const size_t b = p.range().begin(), n = p.range().end() - b;
+    const bool first = std::memcmp(params.data() + b, values[0].data() + b, n * sizeof(float)) == 0;
+    const bool second = std::memcmp(params.data() + b, values[1].data() + b, n * sizeof(float)) == 0;
+    EXPECT_TRUE(first || second) << "partition " << p.id() << " holds neither worker's values";
+  }
+  // Two steps later (an update applied on each copy), still alike.
+  std::vector<std::vector<float>> after(kWorkers, std::vector<float>(kParams));
+  threads.clear();
+  std::vector<Status> results(kWorkers);
+  for (uint32_t w = 0; w < kWorkers; ++w) {
+    threads.emplace_back([&, w] {
+      for (uint64_t s = 1; s <= 2 && results[w].ok(); ++s) results[w] = workers[w]->Step(s, after[w]);
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& r : results) ASSERT_TRUE(r.ok()) << r.ToString();
+  EXPECT_EQ(after[0], after[1]);
+  expect_copies_alike(3);
 }
 
 // tandem-worker daemons join the epoch's parameter-server group by

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include <spdlog/spdlog.h>
@@ -345,48 +346,68 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
     servers = servers_;
   }
   if (epoch.shard_map().partitions_size() == 0) return FailedPrecondition("the job has no parameter servers");
-  // Partitions per server (primary and backup).
-  std::map<uint64_t, std::vector<const v1::Partition*>> held;
+  // Each partition's primary first, then its backup. A server keeps the
+  // first values it gets, so a backup gets values only from the worker whose
+  // values its primary kept: the two copies agree even when workers
+  // initialise at once with different values. A worker that lost a
+  // partition at its primary leaves the backup to the winner; a backup the
+  // winner never reached (it died) refuses the primary's first update and
+  // gets the whole state from it. Read from a checkpoint, every copy gets
+  // the same values, so every backup is asked.
+  std::map<uint64_t, std::vector<const v1::Partition*>> primaries, backups;
   for (const auto& p : epoch.shard_map().partitions()) {
     if (p.range().end() <= begin || p.range().begin() >= end) continue;
-    held[p.primary_member_id()].push_back(&p);
-    if (p.backup_member_id() != 0) held[p.backup_member_id()].push_back(&p);
+    primaries[p.primary_member_id()].push_back(&p);
+    if (p.backup_member_id() != 0) backups[p.backup_member_id()].push_back(&p);
   }
   int initialized = 0;
-  for (auto& [member, parts] : held) {
-    auto server = servers.find(member);
-    if (server == servers.end())
-      return Unavailable("server {} of the shard map is not in epoch {}", member, epoch.epoch());
-    size_t i = 0;
-    while (i < parts.size()) {
-      v1::InitializeParametersRequest request = base;
-      request.set_job_id(options_.job_id);
-      request.set_token(options_.token);
-      request.set_epoch(epoch.epoch());
-      size_t bytes = 0;
-      do {
-        const v1::Partition* p = parts[i++];
-        request.add_partition_ids(p->id());
-        if (values != nullptr) {
-          auto* chunk = request.mutable_values()->add_chunks();
-          *chunk->mutable_range() = p->range();
-          chunk->set_dtype(v1::DTYPE_FLOAT32);
-          const size_t n = p->range().end() - p->range().begin();
-          std::string* data = chunk->mutable_data();
-          data->resize(n * sizeof(float));
-          (*values)(p->range().begin(), p->range().end(), reinterpret_cast<float*>(data->data()));
-          bytes += n * sizeof(float);
+  std::set<uint32_t> won;  // partitions whose primary took this call's values
+  const auto send = [&](const std::map<uint64_t, std::vector<const v1::Partition*>>& held, bool primary) -> Status {
+    for (const auto& [member, parts] : held) {
+      auto server = servers.find(member);
+      if (server == servers.end())
+        return Unavailable("server {} of the shard map is not in epoch {}", member, epoch.epoch());
+      size_t i = 0;
+      while (i < parts.size()) {
+        v1::InitializeParametersRequest request = base;
+        request.set_job_id(options_.job_id);
+        request.set_token(options_.token);
+        request.set_epoch(epoch.epoch());
+        size_t bytes = 0;
+        do {
+          const v1::Partition* p = parts[i++];
+          if (!primary && values != nullptr && !won.contains(p->id())) continue;
+          request.add_partition_ids(p->id());
+          if (values != nullptr) {
+            auto* chunk = request.mutable_values()->add_chunks();
+            *chunk->mutable_range() = p->range();
+            chunk->set_dtype(v1::DTYPE_FLOAT32);
+            const size_t n = p->range().end() - p->range().begin();
+            std::string* data = chunk->mutable_data();
+            data->resize(n * sizeof(float));
+            (*values)(p->range().begin(), p->range().end(), reinterpret_cast<float*>(data->data()));
+            bytes += n * sizeof(float);
+          }
+        } while (i < parts.size() && bytes < kInitBytesPerCall && request.partition_ids_size() < 4096);
+        if (request.partition_ids_size() == 0) continue;  // none of these is this call's to initialise
+        v1::InitializeParametersResponse response;
+        auto context = Context();
+        Status status = Status::FromGrpc(server->second->stub->InitializeParameters(context.get(), request, &response));
+        if (!status.ok()) {
+          return status.WithContext(fmt::format("initialising server {} ({}) as {}", member, server->second->address,
+                                                primary ? "primary" : "backup"));
         }
-      } while (i < parts.size() && bytes < kInitBytesPerCall && request.partition_ids_size() < 4096);
-      v1::InitializeParametersResponse response;
-      auto context = Context();
-      Status status = Status::FromGrpc(server->second->stub->InitializeParameters(context.get(), request, &response));
-      if (!status.ok()) {
-        return status.WithContext(fmt::format("initialising server {} ({})", member, server->second->address));
+        for (const auto& r : response.partitions()) {
+          if (!r.newly_initialized()) continue;
+          ++initialized;
+          if (primary) won.insert(r.partition_id());
+        }
       }
-      for (const auto& r : response.partitions()) initialized += r.newly_initialized() ? 1 : 0;
     }
-  }
+    return Status::Ok();
+  };
+  TANDEM_RETURN_IF_ERROR(send(primaries, true));
+  TANDEM_RETURN_IF_ERROR(send(backups, false));
   return initialized;
 }
 
@@ -493,7 +514,7 @@ Status PsClient::RestoreCheckpoint(const std::string& path, bool skip_optimizer_
   return Status::Ok();
 }
 
-Result<std::map<uint64_t, v1::GetStatsResponse>> PsClient::Stats() {
+Result<std::map<uint64_t, v1::GetStatsResponse>> PsClient::Stats(bool checksums) {
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   {
     std::lock_guard lock(mu_);
@@ -504,6 +525,7 @@ Result<std::map<uint64_t, v1::GetStatsResponse>> PsClient::Stats() {
     v1::GetStatsRequest request;
     request.set_job_id(options_.job_id);
     request.set_token(options_.token);
+    request.set_checksums(checksums);
     auto context = Context();
     Status status = Status::FromGrpc(server->stub->GetStats(context.get(), request, &out[member]));
     if (!status.ok()) return status.WithContext(fmt::format("statistics of server {}", member));

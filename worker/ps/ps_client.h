@@ -128,8 +128,11 @@ class PsClient {
                              uint32_t contributor = 0, uint32_t contributors = 0);
 
   // Initialises every partition on its primary and backup from `params`
-  // (the whole flattened space, fp32). Returns how many partitions this call
-  // initialised (the others were already).
+  // (the whole flattened space, fp32). Returns how many partition copies
+  // this call initialised (the others were already). Each partition keeps
+  // the values of the first worker to reach its primary, and its backup
+  // gets the same ones: workers that initialise at once with different
+  // values leave each partition with one worker's values on both copies.
   Result<int> Initialize(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors,
                          const v1::OptimizerConfig& optimizer, const v1::ConsistencyConfig& consistency,
                          const float* params);
@@ -151,8 +154,9 @@ class PsClient {
                                                          const std::string& id, bool async);
   // Every server restores the partitions it holds from `path`.
   Status RestoreCheckpoint(const std::string& path, bool skip_optimizer_state);
-  // Every server's statistics, by member id.
-  Result<std::map<uint64_t, v1::GetStatsResponse>> Stats();
+  // Every server's statistics, by member id; with `checksums`, each
+  // partition's state_crc32c too (reads every server's whole state).
+  Result<std::map<uint64_t, v1::GetStatsResponse>> Stats(bool checksums = false);
 
  private:
   struct Group {
