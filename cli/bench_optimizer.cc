@@ -24,6 +24,7 @@
 // up to 1M elements (#wrong counts mismatches), and every weight must be
 // finite.
 #include <stdio.h>
+#include <sys/wait.h>
 
 #include <algorithm>
 #include <chrono>
@@ -84,6 +85,7 @@ Result<std::vector<uint64_t>> ParseCounts(std::string_view text) {
   while (start <= text.size()) {
     const size_t comma = std::min(text.find(',', start), text.size());
     std::string_view item = text.substr(start, comma - start);
+    const std::string_view given = item;
     start = comma + 1;
     if (item.empty()) return InvalidArgument("--params: empty item in '{}'", text);
     uint64_t scale = 1;
@@ -103,11 +105,12 @@ Result<std::vector<uint64_t>> ParseCounts(std::string_view text) {
       }
       value = value * 10 + static_cast<uint64_t>(c - '0');
     }
-    value *= scale;
-    if (value == 0 || value > (1ULL << 32)) {
-      return InvalidArgument("--params: {} must be 1 to 2^32 parameters", value);
+    // Bounded before scaling: value * scale could wrap around 2^64 (e.g.
+    // 17179869185Gi would become 2^30).
+    if (value == 0 || value > (1ULL << 32) / scale) {
+      return InvalidArgument("--params: {} must be 1 to 2^32 parameters", given);
     }
-    out.push_back(value);
+    out.push_back(value * scale);
   }
   return out;
 }
@@ -271,7 +274,15 @@ TorchResult RunTorchWith(const BenchConfig& c, const std::string& python) {
   const int status = ::pclose(pipe);
   if (status != 0 && r.reason.empty()) {
     r.available = false;
-    r.reason = fmt::format("{} {} exited with status {}", python, c.torch_script, status);
+    // pclose returns a wait status (256 for exit 1, 32512 for the shell's 127).
+    const std::string ran = fmt::format("{} {}", python, c.torch_script);
+    if (WIFEXITED(status)) {
+      r.reason = fmt::format("{} exited with status {}", ran, WEXITSTATUS(status));
+    } else if (WIFSIGNALED(status)) {
+      r.reason = fmt::format("{} was killed by signal {}", ran, WTERMSIG(status));
+    } else {
+      r.reason = fmt::format("{} failed (wait status {})", ran, status);
+    }
   }
   return r;
 }

@@ -2,6 +2,7 @@
 // finish, verify their own results (no wrong element), print the JSON keys
 // docs/benchmarks.md and scripts/plot.py read, and name a bad flag.
 // Timings are not checked here (they belong to `make bench`).
+#include <filesystem>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -56,6 +57,15 @@ testing::CommandResult Tandem(const std::string& args, std::chrono::milliseconds
 
 bool HasUcxPerftest() {
   return RunCommand({"/bin/sh", "-c", "command -v ucx_perftest"}, std::chrono::seconds(10)).exit.success();
+}
+
+// Whether `tandem bench optimizer` will find torch: it tries python3, then
+// /usr/bin/python3.
+bool HasTorch() {
+  return RunCommand({"/bin/sh", "-c",
+                     "python3 -c 'import torch' 2>/dev/null || /usr/bin/python3 -c 'import torch' 2>/dev/null"},
+                    std::chrono::seconds(60))
+      .exit.success();
 }
 
 TEST(BenchCommandTest, PsPushesAndPullsExactlyAndReportsBothBaselines) {
@@ -130,6 +140,118 @@ TEST(BenchCommandTest, AllreduceChecksEveryResult) {
   }
 }
 
+// A stand-in for the torch baseline's interpreter: records the arguments
+// the bench passes to bench/torch_optimizer.py and answers as that script
+// does when torch is there (0.5 s median, 0.25 s best for every size).
+std::string FakeTorchPython(const testing::TempDir& dir) {
+  const std::string path = dir.File("python", R"(#!/bin/sh
+echo "$@" > "$0.args"
+while [ $# -gt 0 ]; do [ "$1" = --params ] && params=$2; shift; done
+for n in $(echo "$params" | tr , ' '); do
+  echo "{\"available\": true, \"torch_version\": \"0.fake\", \"params\": $n, \"seconds_per_step\": 0.5, \"best_seconds_per_step\": 0.25}"
+done
+)");
+  std::filesystem::permissions(path, std::filesystem::perms::owner_all);
+  return path;
+}
+
+// Each update rule at two sizes (1000 is under one 16384-element chunk;
+// 100003 is seven chunks over two threads, the last 1699 elements), with each
+// way the torch baseline can go: the machine's own python3 (torch or not:
+// make test does not install it), torch answering (a fake interpreter, so the
+// joined columns are checked without torch), an interpreter that fails and
+// --no-torch. Checked: the pooled update matches a single-threaded one bit
+// for bit (wrong 0), each row reports the size asked for, and effective_gbps
+// follows the documented byte model (28 B/param for Adam(W), 20 for SGD with
+// momentum) from the printed seconds_per_step. A missing torch is not an
+// error: its fields are null and the output says why.
+TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
+  const bool torch = HasTorch();
+  testing::TempDir dir;
+  const std::string fake = FakeTorchPython(dir);
+  struct Case {
+    std::string optimizer;
+    int bytes_per_param;
+    std::string torch_flags;
+    bool with_torch;
+    std::string reason;  // why torch is unavailable, as the output says it
+  };
+  for (const Case& k : std::vector<Case>{{"adamw", 28, "", torch, ""},  // python3's own reason
+                                         {"adam", 28, "--python " + fake, true, ""},
+                                         {"sgd", 20, "--python /bin/false", false, "exited with status 1"},
+                                         {"adamw", 28, "--no-torch", false, ""}}) {
+    SCOPED_TRACE(k.optimizer + " " + k.torch_flags);
+    const auto r = Tandem("bench optimizer --optimizer " + k.optimizer +
+                              " --params 1000,100003 --threads 2 --iters 2 --warmup 1 --json " + k.torch_flags,
+                          std::chrono::seconds(60));
+    ASSERT_TRUE(r.exit.success()) << r.exit.ToString() << ": " << r.output;
+    const auto lines = JsonLines(r.output);
+    ASSERT_EQ(lines.size(), 2u) << r.output;
+    if (k.torch_flags == "--no-torch") {
+      EXPECT_EQ(r.output.find("torch baseline"), std::string::npos) << r.output;  // python never ran
+    } else if (!k.with_torch) {
+      EXPECT_NE(r.output.find("bench optimizer: torch unavailable: "), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find(k.reason), std::string::npos) << r.output;
+    }
+    if (k.torch_flags.find(fake) != std::string::npos) {
+      // torch runs the same rule, sizes, threads and steps.
+      EXPECT_NE(testing::ReadFile(fake + ".args")
+                    .find("--optimizer adam --params 1000,100003 --threads 2 --iters 2 --warmup 1 "),
+                std::string::npos)
+          << testing::ReadFile(fake + ".args");
+    }
+    for (size_t i = 0; i < lines.size(); ++i) {
+      const std::string& line = lines[i];
+      SCOPED_TRACE(line);
+      EXPECT_EQ(Field(line, "wrong"), "0");
+      EXPECT_EQ(Field(line, "optimizer"), "\"" + k.optimizer + "\"");
+      const double params = i == 0 ? 1000 : 100003;
+      EXPECT_EQ(Number(line, "params"), params);
+      EXPECT_EQ(Number(line, "threads"), 2);
+      EXPECT_EQ(Number(line, "bytes_per_param"), k.bytes_per_param);
+      const double seconds = Number(line, "seconds_per_step");
+      const double effective = Number(line, "effective_gbps");
+      const double memory = Number(line, "memory_gbps");
+      EXPECT_GT(seconds, 0);
+      EXPECT_GT(Number(line, "best_seconds_per_step"), 0);
+      EXPECT_LE(Number(line, "best_seconds_per_step"), seconds);
+      EXPECT_GT(effective, 0);
+      EXPECT_GT(memory, 0);
+      // Printed with 6 and 5 significant digits: recomputed within 1e-4.
+      EXPECT_NEAR(effective, k.bytes_per_param * params / seconds / 1e9, 1e-4 * effective);
+      EXPECT_NEAR(Number(line, "bandwidth_ratio"), effective / memory, 1e-3 * effective / memory);
+      if (k.torch_flags.find(fake) != std::string::npos) {
+        EXPECT_EQ(Number(line, "torch_seconds_per_step"), 0.5);
+        EXPECT_EQ(Number(line, "torch_best_seconds_per_step"), 0.25);
+        EXPECT_EQ(Field(line, "torch_version"), "\"0.fake\"");
+        EXPECT_NEAR(Number(line, "torch_speedup"), 0.5 / seconds, 1e-3 * 0.5 / seconds);
+      } else if (k.with_torch) {
+        EXPECT_GT(Number(line, "torch_seconds_per_step"), 0);
+        EXPECT_GT(Number(line, "torch_speedup"), 0);
+        EXPECT_NE(Field(line, "torch_version"), "null");
+      } else {
+        for (const std::string key :
+             {"torch_seconds_per_step", "torch_best_seconds_per_step", "torch_speedup", "torch_version"}) {
+          EXPECT_EQ(Field(line, key), "null") << key;
+        }
+      }
+    }
+  }
+}
+
+// The table (what a person reads) names the byte model, says why the torch
+// column is empty and sums the verification.
+TEST(BenchCommandTest, OptimizerTableSaysWhyTorchIsMissing) {
+  const auto r =
+      Tandem("bench optimizer --params 1Ki --threads 1 --iters 1 --warmup 0 --no-torch", std::chrono::seconds(30));
+  ASSERT_TRUE(r.exit.success()) << r.output;
+  EXPECT_NE(r.output.find("# bytes per parameter: 28"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("# torch: unavailable (skipped (--no-torch))"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("#wrong"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("# 0 wrong elements in total"), std::string::npos) << r.output;
+  EXPECT_TRUE(JsonLines(r.output).empty()) << r.output;
+}
+
 TEST(BenchCommandTest, ABadFlagIsNamedAndNothingRuns) {
   for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
            {"bench ps --min-bytes 1KiB", "--min-bytes: 1KiB is out of range"},
@@ -142,6 +264,24 @@ TEST(BenchCommandTest, ABadFlagIsNamedAndNothingRuns) {
     const auto r = Tandem(args, std::chrono::seconds(30));
     EXPECT_FALSE(r.exit.success()) << args << ": " << r.output;
     EXPECT_NE(r.output.find(want), std::string::npos) << args << ": " << r.output;
+  }
+  // bench optimizer: a usage error is exit status 2 (3 is a wrong result) and
+  // nothing is timed. 17179869185Gi is 2^30 once wrapped around 2^64: it must
+  // be refused, not run as a 1Gi (28 GB) benchmark.
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--params 0", "--params: 0 must be 1 to 2^32 parameters"},
+           {"--params=-1", "--params: '-1' is not a count"},
+           {"--params 1M,", "--params: empty item"},
+           {"--params 5G", "--params: 5G must be 1 to 2^32 parameters"},
+           {"--params 17179869185Gi", "--params: 17179869185Gi must be 1 to 2^32"},
+           {"--optimizer lamb", "--optimizer: expected one of adamw|adam|sgd, got 'lamb'"},
+           {"--iters 0", "--iters: 0 is out of range"},
+           {"--threads 0", "--threads: 0 is out of range"},
+           {"--warmup -1", "--warmup: -1 is out of range"}}) {
+    const auto r = Tandem("bench optimizer --no-torch " + args, std::chrono::seconds(30));
+    EXPECT_TRUE(r.exit.exited && r.exit.code == 2) << args << ": " << r.exit.ToString() << ": " << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << args << ": " << r.output;
+    EXPECT_EQ(r.output.find("steps..."), std::string::npos) << args << ": " << r.output;  // no size started
   }
 }
 
