@@ -1187,8 +1187,15 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     return true;
   }
 
-  // Asynchronous and bounded staleness: apply now.
-  if (part->clocks.size() != h.contributors) part->clocks.assign(h.contributors, start_step);
+  // Asynchronous and bounded staleness: apply now. The contributors'
+  // clocks start with the epoch's first push or pull; a push that names
+  // another count is refused rather than restarting them (which would let
+  // duplicates in again and lose the staleness bound).
+  if (part->clocks.empty()) part->clocks.assign(h.contributors, start_step);
+  if (part->clocks.size() != h.contributors) {
+    return refuse(InvalidArgument("contributors: this push says {}, earlier pushes and pulls of epoch {} said {}",
+                                  h.contributors, epoch, part->clocks.size()));
+  }
   if (h.step <= part->clocks[h.contributor]) {
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
@@ -1210,6 +1217,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     grad = Buffer(n);
     AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
   }
+  const uint64_t clock_before = part->clocks[h.contributor];
   part->clocks[h.contributor] = h.step;
   counters_.staleness_last.store(part->state.step > h.step - 1 ? part->state.step - (h.step - 1) : 0);
   const GradScan scan = ScanForNorm(grad->data(), n, part->segments);
@@ -1220,7 +1228,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   rep.version = part->state.version;
   if (!scan.finite) {
     if (policy == v1::NON_FINITE_POLICY_FAIL) {
-      part->clocks[h.contributor] = h.step - 1;
+      part->clocks[h.contributor] = clock_before;  // refused: as if it never came
       return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
     }
     counters_.skipped_steps.fetch_add(1);
@@ -1738,23 +1746,28 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
     counters_.pulls.fetch_add(1);
     PendingPull pull{from, h, 0, std::move(reply)};
     bool refused = false;
+    auto refuse_pull = [&](const Status& status) {
+      std::vector<char> body;
+      ps::Frame r = Refusal(h, status, &body);
+      actions.push_back(
+          [rep = std::move(pull.reply), r, body = std::move(body)]() mutable { rep(r, std::move(body)); });
+      refused = true;
+    };
     if (sync) {
       if (h.step > part->state.step + 1) {
         // It could only be reached after a step this puller has not pushed.
-        const Status future =
-            FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}", h.step,
-                               h.partition, part->state.step, part->state.step + 1);
-        std::vector<char> body;
-        ps::Frame r = Refusal(h, future, &body);
-        actions.push_back(
-            [rep = std::move(pull.reply), r, body = std::move(body)]() mutable { rep(r, std::move(body)); });
-        refused = true;
+        refuse_pull(FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}",
+                                       h.step, h.partition, part->state.step, part->state.step + 1));
       }
       pull.target = h.step;
     } else {
       pull.target = part->state.step;
-      if (h.contributors > 0 && h.contributors <= kMaxContributors && part->clocks.size() != h.contributors) {
-        part->clocks.assign(h.contributors, start_step);
+      if (h.contributors > 0 && h.contributors <= kMaxContributors) {
+        if (part->clocks.empty()) part->clocks.assign(h.contributors, start_step);
+        if (part->clocks.size() != h.contributors) {
+          refuse_pull(InvalidArgument("contributors: this pull says {}, the pushes and pulls of this epoch said {}",
+                                      h.contributors, part->clocks.size()));
+        }
       }
     }
     if (!refused) {

@@ -16,6 +16,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/optimizer/gradient.h"
+#include "optimizer_reference.h"
 #include "server/checkpoint/checkpoint.h"
 
 namespace tandem::server {
@@ -778,6 +780,11 @@ TEST_F(PsCoreTest, BadPushesGetClearErrorsAndChangeNothing) {
   const auto after = PrimaryOf(0).Stats({0});
   EXPECT_EQ(before.partitions(0).version(), after.partitions(0).version());
   EXPECT_EQ(before.partitions(0).step(), after.partitions(0).step());
+  EXPECT_EQ(PullAll(0), job.initial);
+  // Nothing refused was folded into step 1's sum: completed, it equals a
+  // clean run's step (contributor 0's push of partition 0 is a duplicate).
+  EXPECT_EQ(RunStep(1, 2), ReferenceRun(job, 1, 2));
+  ExpectReplicasEqual();
 }
 
 TEST_F(PsCoreTest, NonFiniteGradientSkipsTheStepOnEveryServer) {
@@ -818,6 +825,11 @@ TEST_F(PsCoreTest, FailPolicyRefusesNonFinitePushes) {
   auto a = Push(PrimaryOf(0), 1, 1, 0, 0, 2, g);
   EXPECT_EQ(a->status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(a->status().message().find("NaN or Inf"), std::string::npos);
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 1u);
+  // The refused push is as if never sent: the contributor sends a finite
+  // gradient and the step completes as in a clean run.
+  EXPECT_EQ(RunStep(1, 2), ReferenceRun(job, 1, 2));
+  ExpectReplicasEqual();
 }
 
 TEST_F(PsCoreTest, GlobalNormClippingUsesEveryServersGradient) {
@@ -1101,6 +1113,53 @@ TEST_F(PsCoreTest, AsyncAppliesEachPushAndIgnoresDuplicates) {
   EXPECT_NE(refused.status().message().find("max_grad_norm"), std::string::npos);
 }
 
+// Asynchronous mode: a push or pull naming another contributor count and a
+// non-finite push refused by the FAIL policy leave the partition as it was:
+// weights, version, and every contributor's clock (so duplicates stay
+// duplicates and a refused step can be pushed again).
+TEST_F(PsCoreTest, AsyncBadPushesLeaveWeightsAndClocksAsTheyWere) {
+  Job job;
+  job.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  job.optimizer.set_non_finite_policy(v1::NON_FINITE_POLICY_FAIL);
+  Start(2, job);
+  auto [b, e] = Range(0);
+  auto version = [&] { return PrimaryOf(0).Stats({0}).partitions(0).version(); };
+  auto weights = [&] {
+    auto a = Pull(PrimaryOf(0), 1, 0, 0);
+    EXPECT_TRUE(a->done);
+    return a->floats();
+  };
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e))->status().ok());
+  ASSERT_EQ(version(), 2u);
+  const auto before = weights();
+  // Another contributor count: refused, named.
+  auto other_count = Push(PrimaryOf(0), 1, 2, 0, 0, 3, Grad(2, 0, b, e));
+  EXPECT_EQ(other_count->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other_count->status().message().find("contributors: this push says 3"), std::string::npos)
+      << other_count->status().message();
+  auto other_pull = Pull(PrimaryOf(0), 1, 0, 0, 0, 3);
+  ASSERT_TRUE(other_pull->done);
+  EXPECT_EQ(other_pull->status().code(), StatusCode::kInvalidArgument);
+  // The clocks were not restarted: step 1 of contributor 0 is still a duplicate.
+  auto dup = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e));
+  ASSERT_TRUE(dup->status().ok());
+  EXPECT_NE(dup->header.flags & ps::kFlagDuplicate, 0);
+  // Contributor 1 (nothing pushed yet) sends a non-finite step 2: refused.
+  auto g = Grad(2, 1, b, e);
+  g[3] = NAN;
+  auto bad = Push(PrimaryOf(0), 1, 2, 0, 1, 2, g);
+  EXPECT_EQ(bad->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(version(), 2u);
+  EXPECT_EQ(weights(), before);
+  // Its clock is where it was (0), so its step 1 is applied, not a duplicate.
+  auto late = Push(PrimaryOf(0), 1, 1, 0, 1, 2, Grad(1, 1, b, e));
+  ASSERT_TRUE(late->status().ok());
+  EXPECT_EQ(late->header.flags & ps::kFlagDuplicate, 0);
+  EXPECT_EQ(version(), 3u);
+  EXPECT_NE(weights(), before);
+  ExpectReplicasEqual();
+}
+
 TEST_F(PsCoreTest, BoundedStalenessHoldsTheFastContributor) {
   Job job;
   job.consistency.set_mode(v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
@@ -1170,6 +1229,60 @@ TEST_F(PsCoreTest, InitializationHappensOnceAndChecksItsInput) {
   EXPECT_NE(invalid.status().message().find("beta1"), std::string::npos);
 }
 
+// Gradients pushed as fp32, bf16 and fp16 in one step are widened exactly
+// and summed; a bf16 pull is the weights rounded to nearest even (as
+// EncodeWire, which WireTest checks bit by bit); an fp16 pull is refused.
+// Values are multiples of 1/16 of at most 8 significant bits, exact in
+// every wire dtype, so the result is exact: SGD at lr 1 with a plain sum.
+TEST_F(PsCoreTest, WireDTypesAreWidenedSummedAndNarrowedExactly) {
+  Job job;
+  job.optimizer.Clear();
+  job.optimizer.mutable_sgd()->set_lr(1.0);
+  job.optimizer.set_reduction(v1::GRADIENT_REDUCTION_SUM);
+  for (size_t i = 0; i < job.initial.size(); ++i)
+    job.initial[i] = static_cast<float>(static_cast<int>(i % 65) - 32) / 8;
+  Start(2, job);
+  const v1::WireDType dtypes[] = {v1::WIRE_DTYPE_FP32, v1::WIRE_DTYPE_BF16, v1::WIRE_DTYPE_FP16};
+  auto grad = [](uint32_t c, size_t i) {
+    return static_cast<float>(static_cast<int>((i * 7 + c * 13) % 33) - 16) / 16;
+  };
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 3; ++c) {
+      std::vector<float> g(e - b);
+      for (size_t i = 0; i < g.size(); ++i) g[i] = grad(c, b + i);
+      std::vector<char> wire(optim::WireBytes(dtypes[c], g.size()));
+      optim::EncodeWire(wire.data(), g.data(), dtypes[c], g.size());
+      auto a = std::make_shared<Answer>();
+      PrimaryOf(p).Push(1, PushHeader(epoch_, 1, p, c, 3, wire.size(), dtypes[c]), wire.data(), Into(a));
+      ASSERT_TRUE(a->done);
+      ASSERT_TRUE(a->status().ok()) << a->status().ToString();
+    }
+  }
+  std::vector<float> want(job.params);
+  for (size_t i = 0; i < want.size(); ++i) want[i] = job.initial[i] - (grad(0, i) + grad(1, i) + grad(2, i));
+  EXPECT_EQ(PullAll(1), want);
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    ps::Frame h = PullHeader(epoch_, 1, p);
+    h.dtype = v1::WIRE_DTYPE_BF16;
+    auto bf16 = std::make_shared<Answer>();
+    PrimaryOf(p).Pull(1, h, Into(bf16));
+    ASSERT_TRUE(bf16->done);
+    ASSERT_TRUE(bf16->status().ok()) << bf16->status().ToString();
+    std::vector<char> expected(optim::WireBytes(v1::WIRE_DTYPE_BF16, e - b));
+    optim::EncodeWire(expected.data(), want.data() + b, v1::WIRE_DTYPE_BF16, e - b);
+    EXPECT_EQ(bf16->payload, expected) << "partition " << p;
+    h.dtype = v1::WIRE_DTYPE_FP16;
+    auto fp16 = std::make_shared<Answer>();
+    PrimaryOf(p).Pull(1, h, Into(fp16));
+    ASSERT_TRUE(fp16->done);
+    EXPECT_EQ(fp16->status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(fp16->status().message().find("pulls return FP32 or BF16"), std::string::npos);
+  }
+  ExpectReplicasEqual();
+}
+
 // The checksums that ExpectReplicasEqual compares tell copies apart: two
 // servers given different initial values (which PsClient never does: a
 // backup only gets the values its primary kept) report different
@@ -1204,6 +1317,109 @@ TEST_F(PsCoreTest, StateChecksumsTellDivergedReplicasApart) {
   }
   EXPECT_EQ(differ, 2);
 }
+
+// Each update rule through the store (three servers with backups, two
+// contributors, two tensor groups with their own hyperparameters, a warmup
+// then a decay) against PyTorch's rules in double precision
+// (tests/optimizer_reference.h): weights equal within float rounding after
+// sixty steps, and every backup equals its primary.
+struct StoreRuleCase {
+  std::string name;
+  v1::OptimizerConfig config;
+};
+
+void PrintTo(const StoreRuleCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class StoreMatchesReference : public PsCoreTest, public ::testing::WithParamInterface<StoreRuleCase> {};
+
+TEST_P(StoreMatchesReference, SixtyStepsMatchADoublePrecisionReference) {
+  constexpr uint64_t kSteps = 60;
+  Job job;
+  job.optimizer = GetParam().config;
+  Start(3, job);
+  auto made = optim::Optimizer::Create(job.optimizer);
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  const optim::Optimizer& o = *made;
+  const uint64_t split = job.params - 500;  // tensor "w", then "b" (group no_decay)
+  auto reference = [&](uint64_t b, uint64_t e) {
+    return optim::Reference{std::vector<double>(job.initial.begin() + b, job.initial.begin() + e),
+                            std::vector<double>(e - b, 0), std::vector<double>(e - b, 0)};
+  };
+  optim::Reference w = reference(0, split);
+  optim::Reference bias = reference(split, job.params);
+  std::vector<float> params;
+  for (uint64_t step = 1; step <= kSteps; ++step) {
+    params = RunStep(step, 2);
+    // The step's gradient as the store sums it: contributor 0's, plus 1's.
+    std::vector<float> g;
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto [b, e] = Range(p);
+      auto g0 = Grad(step, 0, b, e);
+      const auto g1 = Grad(step, 1, b, e);
+      for (size_t i = 0; i < g0.size(); ++i) g0[i] += g1[i];
+      g.insert(g.end(), g0.begin(), g0.end());
+    }
+    w.Step(o, std::vector<float>(g.begin(), g.begin() + static_cast<ptrdiff_t>(split)), step - 1, o.Group(""), 0.5);
+    bias.Step(o, std::vector<float>(g.begin() + static_cast<ptrdiff_t>(split), g.end()), step - 1, o.Group("no_decay"),
+              0.5);
+  }
+  double max_err = 0;
+  double moved = 0;
+  for (uint64_t i = 0; i < job.params; ++i) {
+    const double want = i < split ? w.w[i] : bias.w[i - split];
+    ASSERT_TRUE(std::isfinite(params[i])) << i;
+    max_err = std::max(max_err, std::fabs(params[i] - want) / std::max(1.0, std::fabs(want)));
+    moved += std::fabs(params[i] - job.initial[i]);
+  }
+  EXPECT_LT(max_err, 2e-5) << GetParam().name;
+  EXPECT_GT(moved / static_cast<double>(job.params), 0.01) << "the weights hardly moved: the test would prove nothing";
+  ExpectReplicasEqual();
+}
+
+std::vector<StoreRuleCase> StoreRuleCases() {
+  auto schedule = [](v1::OptimizerConfig& c, v1::LrScheduleKind kind) {
+    c.mutable_lr_schedule()->set_kind(kind);
+    c.mutable_lr_schedule()->set_warmup_steps(5);
+    c.mutable_lr_schedule()->set_total_steps(60);
+    c.mutable_lr_schedule()->set_min_lr_ratio(0.1);
+  };
+  std::vector<StoreRuleCase> cases;
+  {
+    v1::OptimizerConfig c;
+    c.mutable_sgd()->set_lr(0.05);
+    c.mutable_sgd()->set_momentum(0.9);
+    c.mutable_sgd()->set_nesterov(true);
+    c.mutable_sgd()->set_weight_decay(0.01);
+    schedule(c, v1::LR_SCHEDULE_KIND_COSINE);
+    (*c.mutable_group_overrides())["no_decay"].set_weight_decay(0);
+    cases.push_back({"SgdNesterovWeightDecayCosine", c});
+  }
+  {
+    v1::OptimizerConfig c;
+    c.mutable_adam()->set_lr(1e-2);
+    c.mutable_adam()->set_weight_decay(0.01);  // L2, added to the gradient
+    schedule(c, v1::LR_SCHEDULE_KIND_LINEAR);
+    (*c.mutable_group_overrides())["no_decay"].set_weight_decay(0);
+    cases.push_back({"AdamL2Linear", c});
+  }
+  {
+    v1::OptimizerConfig c;
+    c.mutable_adam()->set_lr(1e-2);
+    c.mutable_adam()->set_weight_decay(0.1);
+    c.mutable_adam()->set_decoupled_weight_decay(true);
+    schedule(c, v1::LR_SCHEDULE_KIND_COSINE);
+    auto& group = (*c.mutable_group_overrides())["no_decay"];
+    group.set_weight_decay(0);
+    group.set_lr_scale(0.5);
+    cases.push_back({"AdamWGroupsCosine", c});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Rules, StoreMatchesReference, ::testing::ValuesIn(StoreRuleCases()),
+                         [](const auto& info) { return info.param.name; });
 
 class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};
 
