@@ -125,16 +125,16 @@ std::vector<float> Reference(uint64_t steps) {
   return params;
 }
 
-// A coordinator of `job` (kWorkers workers, at least two servers, kParams
-// elements in 16 KiB partitions, `extra` flags on top) and `n` tandem-server
-// daemons registered with it.
+// A coordinator of `job` (kWorkers workers, at least min(n, 2) servers,
+// kParams elements in 16 KiB partitions, `extra` flags on top) and `n`
+// tandem-server daemons registered with it; log names start with `prefix`.
 struct PsCluster {
   std::optional<cli::LaunchedDaemon> coordinator;
   std::vector<cli::LaunchedDaemon> servers;
   std::string address;
 };
 void StartCluster(const testing::TempDir& dir, const std::string& job, int n, const std::vector<std::string>& extra,
-                  PsCluster* out) {
+                  PsCluster* out, const std::string& prefix = "") {
   std::vector<std::string> args = {"--job-id",
                                    job,
                                    "--job-min-workers",
@@ -142,18 +142,18 @@ void StartCluster(const testing::TempDir& dir, const std::string& job, int n, co
                                    "--job-max-workers",
                                    std::to_string(kWorkers),
                                    "--job-min-servers",
-                                   "2",
+                                   std::to_string(std::min(n, 2)),
                                    "--job-parameter-count",
                                    std::to_string(kParams),
                                    "--job-partition-size",
                                    "16KiB"};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto coordinator = testing::StartDaemon("tandem-coordinator", "coordinator", dir.path(), args);
+  auto coordinator = testing::StartDaemon("tandem-coordinator", prefix + "coordinator", dir.path(), args);
   ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
   out->coordinator = std::move(*coordinator);
   out->address = out->coordinator->ready.grpc_address;
   for (int i = 0; i < n; ++i) {
-    auto s = testing::StartDaemon("tandem-server", "server-" + std::to_string(i), dir.path(),
+    auto s = testing::StartDaemon("tandem-server", prefix + "server-" + std::to_string(i), dir.path(),
                                   {"--coordinator-address", out->address, "--job-id", job, "--node-id",
                                    "node-s" + std::to_string(i), "--server-threads", "1", "--server-timeout", "20s"});
     ASSERT_TRUE(s.ok()) << s.status().ToString();
@@ -358,6 +358,40 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   EXPECT_TRUE(std::filesystem::exists(path)) << path;
   auto again = workers[0]->client().SaveCheckpoint(ckpt, kSteps, "", false);
   EXPECT_EQ(again.status().code(), StatusCode::kAlreadyExists) << again.status().ToString();
+
+  // The survivors' metrics (refreshed every second): what they served after
+  // the kill at least, the updates and their time, the transfers to new
+  // backups, no replication lag left, the last checkpoint.
+  std::vector<const cli::LaunchedDaemon*> survivors;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    if (i != victim) survivors.push_back(&servers[i]);
+  }
+  auto sum = [&](const std::string& name) {
+    double total = 0;
+    for (const auto* s : survivors) total += std::max(0.0, testing::Metric(*s, name));
+    return total;
+  };
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        for (const auto* s : survivors) {
+          if (testing::Metric(*s, "tandem_server_checkpoint_duration_seconds") <= 0) return false;
+          if (testing::Metric(*s, "tandem_server_step") != static_cast<double>(kSteps)) return false;
+        }
+        return true;
+      },
+      milliseconds(10000)));
+  const double after_kill = static_cast<double>(kSteps - kKillStep);
+  EXPECT_GE(sum("tandem_server_pushes_total"), after_kill * kWorkers * 13);
+  EXPECT_GE(sum("tandem_server_push_bytes_total"), after_kill * kWorkers * kParams * sizeof(float));
+  EXPECT_GE(sum("tandem_server_pulls_total"), after_kill * kWorkers * 13);
+  EXPECT_GE(sum("tandem_server_pull_bytes_total"), after_kill * kWorkers * kParams * sizeof(float));
+  EXPECT_GE(sum("tandem_server_updates_total"), after_kill * 13);
+  EXPECT_GT(sum("tandem_server_update_seconds_total"), 0);
+  EXPECT_GT(sum("tandem_server_aggregation_wait_seconds_total"), 0);
+  EXPECT_GE(sum("tandem_server_state_transfers_total"), 1);
+  EXPECT_EQ(sum("tandem_server_replication_lag_steps"), 0);
+  EXPECT_GT(sum("tandem_server_checkpoint_bytes"), kParams * sizeof(float));
+  EXPECT_EQ(sum("tandem_server_state_bytes"), 2 * 3 * kParams * sizeof(float));  // two copies of weights and moments
   EXPECT_TRUE(workers[0]->client().RestoreCheckpoint(path, false).ok());
   // A pull after the restore returns the saved parameters.
   EXPECT_EQ(pull_all(), params[0]);
@@ -455,6 +489,94 @@ TEST(PsProcessTest, WorkersInitialisingAtOnceWithDifferentValuesLeaveBothCopiesA
   for (auto& r : results) ASSERT_TRUE(r.ok()) << r.ToString();
   EXPECT_EQ(after[0], after[1]);
   expect_copies_alike(3);
+}
+
+// A checkpoint that two servers saved through the gRPC control service,
+// restored as the start of new jobs on three servers and on one: the
+// parameters are the saved ones, the next step equals the failure-free
+// reference bit for bit (so the Adam moments and the versions, which bias
+// correction counts, came back exactly), and both copies of every
+// partition agree.
+TEST(PsProcessTest, ACheckpointOfTwoServersStartsJobsOnThreeAndOnOne) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.path() + "/checkpoints";
+  constexpr uint64_t kSaved = 3;
+  // Both workers run steps first..last, each on its own thread.
+  auto train = [](std::vector<std::unique_ptr<testing::PsWorker>>& workers, uint64_t first, uint64_t last,
+                  std::vector<std::vector<float>>& params) {
+    std::vector<Status> results(kWorkers);
+    std::vector<std::thread> threads;
+    for (uint32_t w = 0; w < kWorkers; ++w) {
+      threads.emplace_back([&, w] {
+        for (uint64_t s = first; s <= last && results[w].ok(); ++s) results[w] = workers[w]->Step(s, params[w]);
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (auto& r : results) EXPECT_TRUE(r.ok()) << r.ToString();
+  };
+  auto join = [](const PsCluster& cluster, const std::string& job) {
+    std::vector<std::unique_ptr<testing::PsWorker>> workers;
+    for (uint32_t w = 0; w < kWorkers; ++w)
+      workers.push_back(std::make_unique<testing::PsWorker>(cluster.address, job, w, kWorkers));
+    for (auto& w : workers) EXPECT_TRUE(w->WaitEpochAfter(0, milliseconds(30000)));
+    return workers;
+  };
+  std::vector<std::vector<float>> saved(kWorkers, std::vector<float>(kParams));
+  std::string path;
+  {
+    PsCluster cluster;
+    StartCluster(dir, "ps-save", 2, {"--job-last-call-window", "300ms"}, &cluster, "save-");
+    if (::testing::Test::HasFatalFailure()) return;
+    auto workers = join(cluster, "ps-save");
+    const auto initial = Initial();
+    for (auto& w : workers) {
+      ASSERT_TRUE(w->client()
+                      .Initialize(testing::FlatTensors(kParams), Optimizer(), v1::ConsistencyConfig(), initial.data())
+                      .ok());
+    }
+    train(workers, 1, kSaved, saved);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    auto infos = workers[0]->client().SaveCheckpoint(ckpt, kSaved, "saved", false);
+    ASSERT_TRUE(infos.ok()) << infos.status().ToString();
+    ASSERT_EQ(infos->size(), 2u);
+    for (const auto& info : *infos) EXPECT_EQ(info.state(), v1::CHECKPOINT_STATE_COMPLETE) << info.error();
+    path = ckpt + "/saved";
+  }  // the daemons are killed here
+  const auto reference = Reference(kSaved + 1);
+  for (int n : {3, 1}) {
+    SCOPED_TRACE(fmt::format("restored on {} server(s)", n));
+    const std::string job = fmt::format("ps-restore-{}", n);
+    PsCluster cluster;
+    StartCluster(dir, job, n, {"--job-last-call-window", "300ms"}, &cluster, fmt::format("restore{}-", n));
+    if (::testing::Test::HasFatalFailure()) return;
+    auto workers = join(cluster, job);
+    int initialized = 0;
+    for (auto& w : workers) {
+      auto r = w->client().InitializeFromCheckpoint(testing::FlatTensors(kParams), Optimizer(), v1::ConsistencyConfig(),
+                                                    path);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      initialized += *r;
+    }
+    EXPECT_EQ(initialized, n > 1 ? 26 : 13);  // every copy once
+    std::vector<float> pulled(kParams);
+    ASSERT_TRUE(workers[0]->Pull(0, pulled).ok());
+    EXPECT_EQ(pulled, saved[0]);
+    std::vector<std::vector<float>> next(kWorkers, std::vector<float>(kParams));
+    train(workers, kSaved + 1, kSaved + 1, next);
+    EXPECT_EQ(std::memcmp(next[0].data(), reference.data(), kParams * sizeof(float)), 0);
+    EXPECT_EQ(next[0], next[1]);
+    auto stats = workers[0]->client().Stats(/*checksums=*/true);
+    ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+    std::map<uint32_t, std::set<uint32_t>> checksums;
+    for (auto& [member, s] : *stats) {
+      for (const auto& p : s.partitions()) {
+        EXPECT_EQ(p.version(), kSaved + 2) << "partition " << p.partition_id();
+        checksums[p.partition_id()].insert(p.state_crc32c());
+      }
+    }
+    EXPECT_EQ(checksums.size(), 13u);
+    for (auto& [id, c] : checksums) EXPECT_EQ(c.size(), 1u) << "partition " << id;
+  }
 }
 
 // tandem-worker daemons join the epoch's parameter-server group by
