@@ -28,9 +28,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <thread>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <yaml-cpp/yaml.h>
 
@@ -221,6 +223,58 @@ TEST(TrainProcessTest, HybridAndPsModesEqualOneProcess) {
   ASSERT_TRUE(ps.ok) << ps.output;
   EXPECT_EQ(Applied(ps.summary), 12) << ps.output;
   ExpectSameTraining(local, ps, "adamw");
+}
+
+// Checkpoints during training, and a run resumed from one: a ps-mode run
+// saves every 3 steps (step 3 in the background, step 6 when it ends); a
+// new run started from step 3's checkpoint trains steps 4 to 6 to the same
+// parameters and losses, bit for bit. Checkpoints in allreduce mode, and
+// relative paths, are refused with a message naming the key.
+TEST(TrainProcessTest, ARunResumedFromItsCheckpointEndsWhereTheWholeRunEnds) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const std::vector<std::string> ps = {"run",  "--mode",  "ps", "--nodes",   "2",        "--servers",
+                                       "2",    "--steps", "6",  "--network", "loopback", "--partition-size",
+                                       "16KiB"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = ps;
+    args.insert(args.end(), extra.begin(), extra.end());
+    return args;
+  };
+  const auto whole = Invoke(dir, "whole", with({"--train-checkpoint-dir", ckpt, "--train-checkpoint-every", "3"}));
+  ASSERT_TRUE(whole.ok) << whole.output;
+  for (int step : {3, 6}) {
+    auto verified =
+        RunCommand({BinDir() + "/tandem", "checkpoint", "verify", fmt::format("{}/step-{:010d}", ckpt, step)},
+                   std::chrono::seconds(30));
+    EXPECT_TRUE(verified.exit.success()) << verified.output << "\n" << whole.output;
+    EXPECT_TRUE(std::regex_search(verified.output, std::regex(fmt::format("\n +step +{}\n", step)))) << verified.output;
+  }
+  const auto resumed = Invoke(dir, "resumed", with({"--train-resume-from", ckpt + "/step-0000000003"}));
+  ASSERT_TRUE(resumed.ok) << resumed.output;
+  EXPECT_EQ(Applied(resumed.summary), 6) << resumed.output;
+  EXPECT_EQ(resumed.params, whole.params);
+  const YAML::Node all = whole.summary["losses"];
+  const YAML::Node tail = resumed.summary["losses"];
+  ASSERT_EQ(all.size(), 6u);
+  ASSERT_EQ(tail.size(), 3u) << resumed.output;
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(tail[i].as<double>(), all[i + 3].as<double>()) << "step " << i + 4;
+
+  auto refused =
+      RunCommand({BinDir() + "/tandem", "run", "--mode", "allreduce", "--nodes", "1", "--steps", "2", "--work-dir",
+                  dir.path() + "/refused", "--train-checkpoint-dir", ckpt, "--train-checkpoint-every", "1"},
+                 std::chrono::seconds(60));
+  EXPECT_FALSE(refused.exit.success()) << refused.output;
+  EXPECT_NE(refused.output.find("train.checkpoint_every: checkpoints are saved and restored by the parameter servers"),
+            std::string::npos)
+      << refused.output;
+  refused = RunCommand({BinDir() + "/tandem", "run", "--mode", "ps", "--nodes", "1", "--servers", "1", "--steps", "2",
+                        "--work-dir", dir.path() + "/relative", "--train-resume-from", "ckpt/step-0000000003"},
+                       std::chrono::seconds(60));
+  EXPECT_FALSE(refused.exit.success()) << refused.output;
+  EXPECT_NE(refused.output.find("train.resume_from: 'ckpt/step-0000000003' must be an absolute path"),
+            std::string::npos)
+      << refused.output;
 }
 
 // bf16 on the wire both ways: rounding gradients and parameters to 8 bits of

@@ -630,6 +630,9 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     // run yet, so a retry repeats nothing the other workers wait for. A
     // server that is really gone ends the epoch, which ends the retries.
     const auto initialize = [&] {
+      if (!options_.resume_from.empty()) {
+        return ps->InitializeFromCheckpoint(tensors, OptimizerFor(tp_size_), consistency, options_.resume_from);
+      }
       return ps->Initialize(tensors, OptimizerFor(tp_size_), consistency, lo, hi, values);
     };
     auto initialized = initialize();
@@ -645,8 +648,18 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
       backoff = std::min(backoff * 2, std::chrono::milliseconds(2000));
       initialized = initialize();
     }
-    if (!initialized.ok()) return initialized.status().WithContext("initialising the parameter servers");
-    if (*initialized > 0) spdlog::info("initialised {} partitions on the parameter servers", *initialized);
+    if (!initialized.ok()) {
+      if (!options_.resume_from.empty() && initialized.status().code() != StatusCode::kUnavailable) {
+        // A checkpoint that cannot be read, or of another model, is a
+        // configuration error, not a membership change to wait out.
+        return InvalidArgument("train.resume_from: {}", initialized.status().ToString());
+      }
+      return initialized.status().WithContext("initialising the parameter servers");
+    }
+    if (*initialized > 0) {
+      spdlog::info("initialised {} partitions on the parameter servers{}", *initialized,
+                   options_.resume_from.empty() ? "" : " from checkpoint " + options_.resume_from);
+    }
     servers_initialized_ = true;
   }
   // The stage's partitions as the servers hold them now, then agree on the
@@ -748,6 +761,13 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   }
   completed_ = static_cast<uint64_t>(agreed);
   return Status::Ok();
+}
+
+Result<std::vector<v1::CheckpointInfo>> Runtime::SaveCheckpoint(const std::string& directory, uint64_t step,
+                                                                bool background) {
+  PsClient* ps = plane_.ps_client();
+  if (ps == nullptr) return FailedPrecondition("checkpoints need parameter servers (train.mode hybrid or ps)");
+  return ps->SaveCheckpoint(directory, step, "", background);
 }
 
 Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which) {

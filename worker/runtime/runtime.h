@@ -149,6 +149,10 @@ struct RuntimeOptions {
   // it reads parameters in `range` (the reference trainer's model does, a
   // segment at a time). Off: EndStep waits for every parameter.
   bool overlap_parameter_landing = false;
+  // Server modes: the servers start from this checkpoint (absolute, on
+  // their filesystem) instead of the model's initial values; the first
+  // step is the one after the checkpoint's.
+  std::string resume_from;
 };
 
 // What BeginStep tells the training loop.
@@ -323,6 +327,12 @@ class Runtime {
 
   // Steps completed (the servers', after a resync).
   uint64_t completed_steps() const { return completed_; }
+  // Server modes: has every parameter server save the state after `step`
+  // into directory/step-<step>. With `background`, returns once each has
+  // taken its copy (the files are written meanwhile); else once the files
+  // are in place. Call it on one worker, after EndStep of `step` and before
+  // the next BeginStep: no server can be past the step then.
+  Result<std::vector<v1::CheckpointInfo>> SaveCheckpoint(const std::string& directory, uint64_t step, bool background);
   // Fails whatever waits and makes BeginStep return CANCELLED.
   void Stop();
 

@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include <fmt/ranges.h>
 #include <prometheus/counter.h>
@@ -578,6 +579,14 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
            "append one JSON line per completed step here (written by global rank 0)");
   o.String("train.params_out", &c->params_out,
            "write the final parameters here, raw little-endian fp32 (written by global rank 0)");
+  o.String("train.checkpoint_dir", &c->checkpoint_dir,
+           "server modes: where the parameter servers save checkpoints during training (absolute, on the servers' "
+           "filesystem; each in step-<step>)");
+  o.Int("train.checkpoint_every", &c->checkpoint_every,
+        "server modes: save a checkpoint every this many steps and after the last one (0: never)", 0, int64_t{1} << 40);
+  o.String("train.resume_from", &c->resume_from,
+           "server modes: start from this checkpoint directory (absolute, on the servers' filesystem): parameters, "
+           "optimizer state and step; training goes on to train.steps");
   o.String("train.sample_log", &c->sample_log,
            "append one JSON line per step attempt with the samples this worker trained on (for checking the "
            "sampler across membership changes)");
@@ -643,7 +652,13 @@ std::vector<std::string> TrainFlags(const TrainConfig& c) {
                                 "--train-params-out",
                                 c.params_out,
                                 "--train-sample-log",
-                                c.sample_log};
+                                c.sample_log,
+                                "--train-checkpoint-dir",
+                                c.checkpoint_dir,
+                                "--train-checkpoint-every",
+                                c.checkpoint_every == 0 ? "" : std::to_string(c.checkpoint_every),
+                                "--train-resume-from",
+                                c.resume_from};
   // Flags need a value: leave out the empty ones (their default is empty).
   std::vector<std::string> out;
   for (size_t i = 0; i + 1 < f.size(); i += 2) {
@@ -711,6 +726,28 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
   if (r.placement == Placement::kSharded && r.mode != TrainingMode::kHybrid) {
     return InvalidArgument("train.placement sharded needs train.mode hybrid, not {}", c.mode);
   }
+  // Checkpoints are the parameter servers' (docs/checkpoints.md).
+  if (c.checkpoint_every > 0 || !c.checkpoint_dir.empty() || !c.resume_from.empty()) {
+    const char* key = c.checkpoint_every > 0      ? "train.checkpoint_every"
+                      : !c.checkpoint_dir.empty() ? "train.checkpoint_dir"
+                                                  : "train.resume_from";
+    if (r.mode == TrainingMode::kAllReduce) {
+      return InvalidArgument(
+          "{}: checkpoints are saved and restored by the parameter servers; train.mode allreduce has none (use "
+          "hybrid or ps)",
+          key);
+    }
+  }
+  if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
+    return InvalidArgument("train.checkpoint_every: {} needs train.checkpoint_dir", c.checkpoint_every);
+  }
+  for (const auto& [key, path] : {std::pair<const char*, const std::string&>{"train.checkpoint_dir", c.checkpoint_dir},
+                                  {"train.resume_from", c.resume_from}}) {
+    if (!path.empty() && path.front() != '/') {
+      return InvalidArgument("{}: '{}' must be an absolute path (the servers open it on their filesystem)", key, path);
+    }
+  }
+  r.resume_from = c.resume_from;
   auto gw = ParseWire(c.gradient_wire, "train.gradient_wire");
   if (!gw.ok()) return gw.status();
   auto pw = ParseWire(c.parameter_wire, "train.parameter_wire");
@@ -936,6 +973,31 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       metrics->exposed_seconds.Increment(record.exposed_seconds);
     }
     report(record);
+    const uint64_t every = static_cast<uint64_t>(config.checkpoint_every);
+    if (every > 0 && plan->rank == 0 &&
+        (record.step % every == 0 || record.step == static_cast<uint64_t>(config.steps))) {
+      // Before the next step begins, so no server can be past this one. The
+      // servers copy their state and write it in the background, except
+      // after the last step: the job may end (and its servers stop) right
+      // after. A failed save (a membership change under way) costs this
+      // checkpoint only.
+      const bool last = record.step == static_cast<uint64_t>(config.steps);
+      auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, record.step, /*background=*/!last);
+      // A server refuses while it still writes the previous checkpoint: the
+      // last one is worth waiting for.
+      for (const auto give_up = Clock::now() + config.step_timeout;
+           last && !saved.ok() && saved.status().code() == StatusCode::kFailedPrecondition && Clock::now() < give_up &&
+           !stopping();) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        saved = runtime.SaveCheckpoint(config.checkpoint_dir, record.step, /*background=*/false);
+      }
+      if (saved.ok()) {
+        spdlog::info("step {}: checkpoint {}/step-{:010d} {} by {} server(s)", record.step, config.checkpoint_dir,
+                     record.step, last ? "written" : "is being written", saved->size());
+      } else {
+        spdlog::warn("step {}: the checkpoint was not taken: {}", record.step, saved.status().ToString());
+      }
+    }
   }
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());

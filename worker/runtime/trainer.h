@@ -77,6 +77,14 @@ struct TrainConfig {
   std::string progress_file;  // JSON lines, one per step (global rank 0 writes)
   std::string params_out;     // the final parameters, raw little-endian fp32 (global rank 0 writes)
   std::string sample_log;     // append which samples each step attempt trained on (every worker)
+  // Checkpoints (server modes): every checkpoint_every steps and after the
+  // last, global rank 0 has the servers save to checkpoint_dir/step-<step>
+  // (written in the background); resume_from starts the job from such a
+  // checkpoint (parameters, optimizer state, step) instead of the model's
+  // initial values. Paths are on the servers' filesystem, absolute.
+  std::string checkpoint_dir;
+  int64_t checkpoint_every = 0;  // 0: no checkpoints
+  std::string resume_from;
 };
 
 // The train.* options. Without `job_keys`, steps, mode, data and seed are
