@@ -820,7 +820,7 @@ int PsStatsCommand(int argc, char** argv) {
     uint32_t crc;
   };
   std::map<uint32_t, std::vector<Copy>> copies;
-  std::vector<uint32_t> differ, behind, single;
+  std::vector<uint32_t> differ, behind, single, uninitialized;
   size_t agree = 0;
   if (verify) {
     for (const auto& o : out) {
@@ -834,6 +834,11 @@ int PsStatsCommand(int argc, char** argv) {
       }
       const bool same_version =
           std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.version == c[0].version; });
+      const bool some_empty = std::any_of(c.begin(), c.end(), [](const Copy& x) { return x.version == 0; });
+      if (!same_version && some_empty) {
+        uninitialized.push_back(id);
+        continue;
+      }
       const bool same_crc = std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.crc == c[0].crc; });
       if (!same_version) {
         behind.push_back(id);
@@ -922,6 +927,7 @@ int PsStatsCommand(int argc, char** argv) {
                               .Raw("differ", JsonArray(id_list(differ)))
                               .Raw("behind", JsonArray(id_list(behind)))
                               .Raw("without_backup", JsonArray(id_list(single)))
+                              .Raw("uninitialized", JsonArray(id_list(uninitialized)))
                               .str());
     }
     fmt::print("{}\n", top.str());
@@ -985,6 +991,16 @@ int PsStatsCommand(int argc, char** argv) {
     if (!behind.empty()) {
       fmt::print("  behind (an update or a transfer on its way; run again to see it settle): {}\n",
                  fmt::join(id_list(behind), ", "));
+    }
+    if (!uninitialized.empty()) {
+      fmt::print("  a copy not initialised yet (the backup gets the primary's whole state with the next update): {}\n",
+                 fmt::join(id_list(uninitialized), ", "));
+    }
+    if (failed > 0) {
+      fmt::print(
+          "  {} server(s) did not answer: the copies they hold are not compared (their partitions count as "
+          "without a backup)\n",
+          failed);
     }
   }
   if (!differ.empty()) {

@@ -572,6 +572,20 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
     buffers = optimizer_->state_buffers();
     parameter_count = map_.parameter_count();
   }
+  // From a checkpoint, partitions that hold state already keep it (the first
+  // initialisation wins) and are not read again: a later worker (one that
+  // joins, or changes stage) does not depend on the files still being there.
+  std::vector<uint32_t> kept;
+  if (request.source_case() == v1::InitializeParametersRequest::kCheckpointPath) {
+    std::erase_if(ids, [&](uint32_t id) {
+      auto part = Find(id);
+      if (!part) return false;  // reported below
+      std::lock_guard plock(part->mu);
+      if (part->state.version == 0) return false;
+      kept.push_back(id);
+      return true;
+    });
+  }
   // Build every partition's initial state before touching any.
   std::vector<PartitionState> fresh;
   fresh.reserve(ids.size());
@@ -635,6 +649,11 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
   } else if (request.source_case() == v1::InitializeParametersRequest::kCheckpointPath) {
     const std::string& path = request.checkpoint_path();
     if (path.empty() || path.size() > 4096) return InvalidArgument("checkpoint_path: must be 1 to 4096 bytes");
+  } else {
+    return InvalidArgument("source: set either values or checkpoint_path");
+  }
+  if (request.source_case() == v1::InitializeParametersRequest::kCheckpointPath && !fresh.empty()) {
+    const std::string& path = request.checkpoint_path();
     TANDEM_ASSIGN_OR_RETURN(auto reader, CheckpointReader::Open(path));
     TANDEM_ASSIGN_OR_RETURN(auto identity, Identity());
     const auto& meta = reader.meta();
@@ -657,11 +676,18 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
         s.state1.assign(buffers >= 2 ? s.size() : 0, 0.0f);
       }
     }
-  } else {
-    return InvalidArgument("source: set either values or checkpoint_path");
   }
 
   v1::InitializeParametersResponse response;
+  for (uint32_t id : kept) {
+    auto part = Find(id);
+    if (!part) return FailedPrecondition("partition {} is no longer held by this server", id);
+    auto* out = response.add_partitions();
+    out->set_partition_id(id);
+    std::lock_guard plock(part->mu);
+    out->set_version(part->state.version);
+    out->set_step(part->state.step);
+  }
   for (auto& s : fresh) {
     auto part = Find(s.id);
     if (!part) return FailedPrecondition("partition {} is no longer held by this server", s.id);
@@ -1191,11 +1217,18 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   // clocks start with the epoch's first push or pull; a push that names
   // another count is refused rather than restarting them (which would let
   // duplicates in again and lose the staleness bound).
-  if (part->clocks.empty()) part->clocks.assign(h.contributors, start_step);
+  const bool first_clocks = part->clocks.empty();
+  if (first_clocks) part->clocks.assign(h.contributors, start_step);
   if (part->clocks.size() != h.contributors) {
     return refuse(InvalidArgument("contributors: this push says {}, earlier pushes and pulls of epoch {} said {}",
                                   h.contributors, epoch, part->clocks.size()));
   }
+  // A refused push leaves no clocks behind, so it cannot fix the epoch's
+  // contributor count either.
+  auto refuse_async = [&](const Status& status) {
+    if (first_clocks) part->clocks.clear();
+    return refuse(status);
+  };
   if (h.step <= part->clocks[h.contributor]) {
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
@@ -1206,7 +1239,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   const uint64_t slowest = *std::min_element(part->clocks.begin(), part->clocks.end());
   if (consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS &&
       h.step > slowest + consistency.staleness_bound() + 1) {
-    return refuse(FailedPrecondition(
+    return refuse_async(FailedPrecondition(
         "step {} is from the future: the slowest contributor has pushed step {} and the staleness bound is {}", h.step,
         slowest, consistency.staleness_bound()));
   }
@@ -1229,7 +1262,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   if (!scan.finite) {
     if (policy == v1::NON_FINITE_POLICY_FAIL) {
       part->clocks[h.contributor] = clock_before;  // refused: as if it never came
-      return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
+      return refuse_async(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
     }
     counters_.skipped_steps.fetch_add(1);
     rep.flags = ps::kFlagSkip;

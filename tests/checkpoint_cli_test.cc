@@ -201,7 +201,8 @@ TEST(CheckpointCliTest, SaveVerifyStatsAndRestoreAgainstRunningServers) {
       << r.output;
   r = Tandem({"ps", "stats", "--coordinator", address, "--verify-replicas", "--partitions", "--json"});
   EXPECT_EQ(r.exit.ToString(), "exit 0") << r.output;
-  EXPECT_NE(r.output.find("\"replicas\": {\"agree\": 5, \"differ\": [], \"behind\": [], \"without_backup\": []}"),
+  EXPECT_NE(r.output.find("\"replicas\": {\"agree\": 5, \"differ\": [], \"behind\": [], \"without_backup\": [], "
+                          "\"uninitialized\": []}"),
             std::string::npos)
       << r.output;
   EXPECT_EQ(Count(r.output, "\"state_crc32c\": null"), 0u) << r.output;

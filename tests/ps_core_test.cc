@@ -1123,6 +1123,11 @@ TEST_F(PsCoreTest, AsyncBadPushesLeaveWeightsAndClocksAsTheyWere) {
   job.optimizer.set_non_finite_policy(v1::NON_FINITE_POLICY_FAIL);
   Start(2, job);
   auto [b, e] = Range(0);
+  // A refused first push (non-finite, naming 3 contributors) fixes nothing:
+  // the epoch's pushes with 2 contributors are taken.
+  auto first = Grad(1, 0, b, e);
+  first[0] = NAN;
+  EXPECT_EQ(Push(PrimaryOf(0), 1, 1, 0, 0, 3, first)->status().code(), StatusCode::kInvalidArgument);
   auto version = [&] { return PrimaryOf(0).Stats({0}).partitions(0).version(); };
   auto weights = [&] {
     auto a = Pull(PrimaryOf(0), 1, 0, 0);
@@ -1205,6 +1210,17 @@ TEST_F(PsCoreTest, InitializationHappensOnceAndChecksItsInput) {
   for (const auto& p : again->partitions()) EXPECT_FALSE(p.newly_initialized());
   auto params = PullAll(0);
   EXPECT_EQ(params, job.initial);
+  // From a checkpoint, partitions that hold state are not read again: a
+  // checkpoint that is gone by now does not matter to them.
+  auto from_gone = job.Init(1);
+  from_gone.set_checkpoint_path("/nonexistent/tandem-checkpoint");
+  auto kept = cluster_[kFirstServer].Initialize(from_gone);
+  ASSERT_TRUE(kept.ok()) << kept.status().ToString();
+  EXPECT_GT(kept->partitions_size(), 0);
+  for (const auto& p : kept->partitions()) {
+    EXPECT_FALSE(p.newly_initialized());
+    EXPECT_EQ(p.version(), 1u);
+  }
   // A different tensor table, optimizer, or incomplete values.
   auto bad = job.Init(1);
   bad.mutable_tensors(0)->set_name("renamed");

@@ -376,6 +376,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
         for (const auto* s : survivors) {
           if (testing::Metric(*s, "tandem_server_checkpoint_duration_seconds") <= 0) return false;
           if (testing::Metric(*s, "tandem_server_step") != static_cast<double>(kSteps)) return false;
+          if (testing::Metric(*s, "tandem_server_replication_lag_steps") != 0) return false;
         }
         return true;
       },

@@ -361,7 +361,14 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
     if (p.backup_member_id() != 0) backups[p.backup_member_id()].push_back(&p);
   }
   int initialized = 0;
-  std::set<uint32_t> won;  // partitions whose primary took this call's values
+  // Partitions whose primary took this client's values, kept across calls
+  // in the epoch: a call that failed after the primaries (a server not
+  // answering yet) and is retried still initialises their backups.
+  std::set<uint32_t> won;
+  {
+    std::lock_guard lock(mu_);
+    if (init_won_epoch_ == epoch.epoch()) won = init_won_;
+  }
   const auto send = [&](const std::map<uint64_t, std::vector<const v1::Partition*>>& held, bool primary) -> Status {
     for (const auto& [member, parts] : held) {
       auto server = servers.find(member);
@@ -378,7 +385,10 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
           const v1::Partition* p = parts[i++];
           if (!primary && values != nullptr && !won.contains(p->id())) continue;
           request.add_partition_ids(p->id());
-          if (values != nullptr) {
+          if (values == nullptr) {
+            // Read from the checkpoint by the server: the same cap on what one call reads.
+            bytes += (p->range().end() - p->range().begin()) * sizeof(float);
+          } else {
             auto* chunk = request.mutable_values()->add_chunks();
             *chunk->mutable_range() = p->range();
             chunk->set_dtype(v1::DTYPE_FLOAT32);
@@ -406,7 +416,14 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
     }
     return Status::Ok();
   };
-  TANDEM_RETURN_IF_ERROR(send(primaries, true));
+  Status primaries_done = send(primaries, true);
+  {
+    std::lock_guard lock(mu_);
+    if (init_won_epoch_ != epoch.epoch()) init_won_.clear();
+    init_won_epoch_ = epoch.epoch();
+    init_won_.insert(won.begin(), won.end());
+  }
+  TANDEM_RETURN_IF_ERROR(primaries_done);
   TANDEM_RETURN_IF_ERROR(send(backups, false));
   return initialized;
 }

@@ -27,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -190,6 +191,10 @@ class PsClient {
   std::shared_ptr<Group> group_ TANDEM_GUARDED_BY(mu_);
   v1::MembershipEpoch epoch_ TANDEM_GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Server>> servers_ TANDEM_GUARDED_BY(mu_);  // by member id
+  // Partitions whose primary took this client's initial values, in epoch
+  // init_won_epoch_: a retried Initialize still sends them to the backups.
+  std::set<uint32_t> init_won_ TANDEM_GUARDED_BY(mu_);
+  uint64_t init_won_epoch_ TANDEM_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> next_request_{1};
 };
 

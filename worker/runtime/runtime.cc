@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iterator>
 #include <set>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -649,12 +650,18 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
       initialized = initialize();
     }
     if (!initialized.ok()) {
-      if (!options_.resume_from.empty() && initialized.status().code() != StatusCode::kUnavailable) {
-        // A checkpoint that cannot be read, or of another model, is a
-        // configuration error, not a membership change to wait out.
-        return InvalidArgument("train.resume_from: {}", initialized.status().ToString());
+      const Status& s = initialized.status();
+      const bool checkpoint_fault = s.code() == StatusCode::kNotFound || s.code() == StatusCode::kDataLoss ||
+                                    s.code() == StatusCode::kInvalidArgument ||
+                                    s.message().find("checkpoint_path:") != std::string::npos;
+      if (!options_.resume_from.empty() && checkpoint_fault && ps->epoch() == view.epoch.epoch()) {
+        // A checkpoint that is missing, corrupt or of another model is a
+        // configuration error, not a membership change to wait out (those
+        // come back as UNAVAILABLE, ABORTED or a stale epoch, as without
+        // resume_from).
+        return InvalidArgument("train.resume_from: {}", s.ToString());
       }
-      return initialized.status().WithContext("initialising the parameter servers");
+      return s.WithContext("initialising the parameter servers");
     }
     if (*initialized > 0) {
       spdlog::info("initialised {} partitions on the parameter servers{}", *initialized,
@@ -768,6 +775,40 @@ Result<std::vector<v1::CheckpointInfo>> Runtime::SaveCheckpoint(const std::strin
   PsClient* ps = plane_.ps_client();
   if (ps == nullptr) return FailedPrecondition("checkpoints need parameter servers (train.mode hybrid or ps)");
   return ps->SaveCheckpoint(directory, step, "", background);
+}
+
+Result<bool> Runtime::CheckpointWriting() {
+  PsClient* ps = plane_.ps_client();
+  if (ps == nullptr) return FailedPrecondition("checkpoints need parameter servers (train.mode hybrid or ps)");
+  TANDEM_ASSIGN_OR_RETURN(auto stats, ps->Stats());
+  for (const auto& [member, s] : stats) {
+    if (s.last_checkpoint().state() == v1::CHECKPOINT_STATE_IN_PROGRESS) return true;
+  }
+  return false;
+}
+
+Status Runtime::WaitForCheckpoint(const std::string& id, std::chrono::steady_clock::time_point deadline) {
+  PsClient* ps = plane_.ps_client();
+  if (ps == nullptr) return FailedPrecondition("checkpoints need parameter servers (train.mode hybrid or ps)");
+  for (;;) {
+    TANDEM_ASSIGN_OR_RETURN(auto stats, ps->Stats());
+    bool done = true;
+    for (const auto& [member, s] : stats) {
+      const v1::CheckpointInfo& c = s.last_checkpoint();
+      if (c.checkpoint_id() != id) {
+        return Aborted("server {} reports checkpoint '{}', not '{}'", member, c.checkpoint_id(), id);
+      }
+      if (c.state() == v1::CHECKPOINT_STATE_FAILED) {
+        return Internal("server {} failed to write checkpoint '{}': {}", member, id, c.error());
+      }
+      if (c.state() != v1::CHECKPOINT_STATE_COMPLETE) done = false;
+    }
+    if (done) return Status::Ok();
+    if (std::chrono::steady_clock::now() >= deadline || stopped_) {
+      return DeadlineExceeded("checkpoint '{}' is still being written", id);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which) {

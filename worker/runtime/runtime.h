@@ -333,6 +333,12 @@ class Runtime {
   // are in place. Call it on one worker, after EndStep of `step` and before
   // the next BeginStep: no server can be past the step then.
   Result<std::vector<v1::CheckpointInfo>> SaveCheckpoint(const std::string& directory, uint64_t step, bool background);
+  // Whether any parameter server is still writing a checkpoint (it would
+  // refuse a new one while the others wrote it).
+  Result<bool> CheckpointWriting();
+  // Waits until every parameter server has written checkpoint `id`
+  // completely; an error names a server that failed, or the deadline.
+  Status WaitForCheckpoint(const std::string& id, std::chrono::steady_clock::time_point deadline);
   // Fails whatever waits and makes BeginStep return CANCELLED.
   void Stop();
 

@@ -829,6 +829,52 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       std::fflush(progress);
     }
   };
+  // Checkpoints (global rank 0, server modes): every `every` steps in the
+  // background, and after the last step, which the run waits for.
+  const uint64_t every = static_cast<uint64_t>(config.checkpoint_every);
+  const uint64_t last_step = static_cast<uint64_t>(config.steps);
+  uint64_t saved_step = 0;
+  const auto save_checkpoint = [&](uint64_t step, bool last) {
+    // A server still writing the previous checkpoint refuses a new one
+    // while the others write theirs: an incomplete checkpoint. A periodic
+    // save skips its step then; the last one waits.
+    const auto give_up = Clock::now() + std::max<Clock::duration>(config.step_timeout, std::chrono::minutes(10));
+    for (;;) {
+      auto writing = runtime.CheckpointWriting();
+      if (!writing.ok()) {
+        spdlog::warn("step {}: no checkpoint: {}", step, writing.status().ToString());
+        return;
+      }
+      if (!*writing) break;
+      if (!last || Clock::now() >= give_up || stopping()) {
+        spdlog::warn("step {}: no checkpoint: a server is still writing the previous one", step);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, step, /*background=*/true);
+    if (!saved.ok() || saved->empty()) {
+      // A membership change under way: this checkpoint only is lost (the
+      // servers that wrote theirs leave an incomplete directory, which
+      // `tandem checkpoint verify` and a restore report as such).
+      spdlog::warn("step {}: the checkpoint was not taken: {}", step,
+                   saved.ok() ? "no parameter servers" : saved.status().ToString());
+      return;
+    }
+    const std::string where = fmt::format("{}/{}", config.checkpoint_dir, saved->front().checkpoint_id());
+    if (!last) {
+      spdlog::info("step {}: checkpoint {} is being written by {} server(s)", step, where, saved->size());
+      saved_step = step;
+      return;
+    }
+    const Status written = runtime.WaitForCheckpoint(saved->front().checkpoint_id(), give_up);
+    if (written.ok()) {
+      spdlog::info("step {}: checkpoint {} written by {} server(s)", step, where, saved->size());
+      saved_step = step;
+    } else {
+      spdlog::error("step {}: checkpoint {} was not written: {}", step, where, written.ToString());
+    }
+  };
   uint64_t retries = 0;
   uint64_t completed_step = 0;  // by this worker's knowledge
   uint64_t attempted_step = 0;
@@ -973,36 +1019,21 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       metrics->exposed_seconds.Increment(record.exposed_seconds);
     }
     report(record);
-    const uint64_t every = static_cast<uint64_t>(config.checkpoint_every);
-    if (every > 0 && plan->rank == 0 &&
-        (record.step % every == 0 || record.step == static_cast<uint64_t>(config.steps))) {
-      // Before the next step begins, so no server can be past this one. The
-      // servers copy their state and write it in the background, except
-      // after the last step: the job may end (and its servers stop) right
-      // after. A failed save (a membership change under way) costs this
-      // checkpoint only.
-      const bool last = record.step == static_cast<uint64_t>(config.steps);
-      auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, record.step, /*background=*/!last);
-      // A server refuses while it still writes the previous checkpoint: the
-      // last one is worth waiting for.
-      for (const auto give_up = Clock::now() + config.step_timeout;
-           last && !saved.ok() && saved.status().code() == StatusCode::kFailedPrecondition && Clock::now() < give_up &&
-           !stopping();) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-        saved = runtime.SaveCheckpoint(config.checkpoint_dir, record.step, /*background=*/false);
-      }
-      if (saved.ok()) {
-        spdlog::info("step {}: checkpoint {}/step-{:010d} {} by {} server(s)", record.step, config.checkpoint_dir,
-                     record.step, last ? "written" : "is being written", saved->size());
-      } else {
-        spdlog::warn("step {}: the checkpoint was not taken: {}", record.step, saved.status().ToString());
-      }
+    if (every > 0 && plan->rank == 0 && record.step % every == 0 && record.step < last_step) {
+      // Before the next step begins, so no server can be past this one.
+      save_checkpoint(record.step, /*last=*/false);
     }
   }
   close_progress();
   spdlog::info("training done: {} steps", runtime.completed_steps());
   if (!config.params_out.empty()) {
     TANDEM_RETURN_IF_ERROR(WriteFinalParams(*setup, runtime, last_plan, *whole, config.params_out));
+  }
+  // The last checkpoint, after the final parameters are out (the other
+  // ranks take part in writing them), also when this worker lost the last
+  // step's result while the servers applied it.
+  if (every > 0 && last_plan.rank == 0 && saved_step < runtime.completed_steps()) {
+    save_checkpoint(runtime.completed_steps(), /*last=*/true);
   }
   return Status::Ok();
 }
