@@ -275,6 +275,15 @@ TEST(TrainProcessTest, ARunResumedFromItsCheckpointEndsWhereTheWholeRunEnds) {
   EXPECT_NE(refused.output.find("train.resume_from: 'ckpt/step-0000000003' must be an absolute path"),
             std::string::npos)
       << refused.output;
+  // A checkpoint that is not there ends the run at once, naming the key,
+  // rather than waiting for a membership change.
+  refused = RunCommand(
+      {BinDir() + "/tandem", "run", "--mode", "ps", "--nodes", "1", "--servers", "1", "--steps", "2", "--network",
+       "loopback", "--work-dir", dir.path() + "/missing", "--train-resume-from", ckpt + "/step-0000000099"},
+      std::chrono::seconds(90));
+  EXPECT_FALSE(refused.exit.success()) << refused.output;
+  EXPECT_NE(refused.output.find("train.resume_from: "), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("step-0000000099"), std::string::npos) << refused.output;
 }
 
 // bf16 on the wire both ways: rounding gradients and parameters to 8 bits of

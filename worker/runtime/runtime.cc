@@ -770,11 +770,10 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   return Status::Ok();
 }
 
-Result<std::vector<v1::CheckpointInfo>> Runtime::SaveCheckpoint(const std::string& directory, uint64_t step,
-                                                                bool background) {
+Result<std::vector<v1::CheckpointInfo>> Runtime::SaveCheckpoint(const std::string& directory, uint64_t step) {
   PsClient* ps = plane_.ps_client();
   if (ps == nullptr) return FailedPrecondition("checkpoints need parameter servers (train.mode hybrid or ps)");
-  return ps->SaveCheckpoint(directory, step, "", background);
+  return ps->SaveCheckpoint(directory, step, "", /*async=*/true);
 }
 
 Result<bool> Runtime::CheckpointWriting() {

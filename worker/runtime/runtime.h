@@ -328,11 +328,11 @@ class Runtime {
   // Steps completed (the servers', after a resync).
   uint64_t completed_steps() const { return completed_; }
   // Server modes: has every parameter server save the state after `step`
-  // into directory/step-<step>. With `background`, returns once each has
-  // taken its copy (the files are written meanwhile); else once the files
-  // are in place. Call it on one worker, after EndStep of `step` and before
-  // the next BeginStep: no server can be past the step then.
-  Result<std::vector<v1::CheckpointInfo>> SaveCheckpoint(const std::string& directory, uint64_t step, bool background);
+  // into directory/step-<step>; returns once each has taken its copy (the
+  // files are written meanwhile: WaitForCheckpoint). Call it on one worker,
+  // after EndStep of `step` and before the next BeginStep: no server can be
+  // past the step then.
+  Result<std::vector<v1::CheckpointInfo>> SaveCheckpoint(const std::string& directory, uint64_t step);
   // Whether any parameter server is still writing a checkpoint (it would
   // refuse a new one while the others wrote it).
   Result<bool> CheckpointWriting();

@@ -852,7 +852,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, step, /*background=*/true);
+    auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, step);
     if (!saved.ok() || saved->empty()) {
       // A membership change under way: this checkpoint only is lost (the
       // servers that wrote theirs leave an incomplete directory, which
