@@ -17,8 +17,11 @@
 //                status OK; `flags` kFlagDuplicate when the push was already
 //                counted or the step already applied (the push is ignored).
 //   kPull        worker -> primary. Parameters of `partition` once its step is
-//                >= `step` (0: now), as `dtype` (FP32 or BF16). In bounded-
-//                staleness mode `contributor` is the puller. Reply:
+//                >= `step` (0: now), as `dtype` (FP32 or BF16). In the
+//                asynchronous modes, with `contributors` set, `contributor`
+//                is the puller, which computes `step` next: its clock moves
+//                up to step - 1 (bounded staleness: the pull waits until
+//                every contributor is within the bound of it). Reply:
 //                kPullReply with the values; `step` and `version` say where
 //                the partition is.
 //   kShare       server -> server (sync mode). This server's part of the

@@ -1185,6 +1185,48 @@ TEST_F(PsCoreTest, BoundedStalenessHoldsTheFastContributor) {
   EXPECT_TRUE(wait->status().ok());
 }
 
+// A pull that names its contributor and step s declares that the puller
+// computes step s next: its clock moves up to s - 1. Workers that go on
+// from a later step than the epoch's start_step after a membership change
+// (the highest any of them completed) so start the bound from there: their
+// pulls wait for one another, then their pushes of the steps after are
+// applied and those before are duplicates.
+TEST_F(PsCoreTest, BoundedStalenessPullsDeclareThePullersStep) {
+  Job job;
+  job.consistency.set_mode(v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
+  job.consistency.set_staleness_bound(1);
+  Start(1, job);  // start_step 0
+  auto [b, e] = Range(0);
+  // Both contributors go on after step 9: the first pull waits for the other.
+  auto first = Pull(PrimaryOf(0), 1, 10, 0, 0, 2);
+  EXPECT_FALSE(first->done);
+  auto second = Pull(PrimaryOf(0), 1, 10, 0, 1, 2);
+  ASSERT_TRUE(first->done);
+  ASSERT_TRUE(second->done);
+  EXPECT_TRUE(first->status().ok()) << first->status().ToString();
+  EXPECT_TRUE(second->status().ok()) << second->status().ToString();
+  auto version = [&] { return PrimaryOf(0).Stats({0}).partitions(0).version(); };
+  EXPECT_EQ(version(), 1u);
+  auto old = Push(PrimaryOf(0), 1, 9, 0, 0, 2, Grad(9, 0, b, e));
+  ASSERT_TRUE(old->status().ok());
+  EXPECT_NE(old->header.flags & ps::kFlagDuplicate, 0);
+  EXPECT_EQ(version(), 1u);
+  // Steps 10 and 11 of contributor 0 are within the bound of 1 from 9.
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 10, 0, 0, 2, Grad(10, 0, b, e))->status().ok());
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 11, 0, 0, 2, Grad(11, 0, b, e))->status().ok());
+  EXPECT_EQ(version(), 3u);
+  EXPECT_EQ(Push(PrimaryOf(0), 1, 12, 0, 0, 2, Grad(12, 0, b, e))->status().code(), StatusCode::kFailedPrecondition);
+  // A pull never moves a clock back, and names a contributor of the count.
+  auto behind = Pull(PrimaryOf(0), 1, 3, 0, 0, 2);
+  ASSERT_TRUE(behind->done);
+  EXPECT_TRUE(behind->status().ok());
+  EXPECT_EQ(Push(PrimaryOf(0), 1, 12, 0, 0, 2, Grad(12, 0, b, e))->status().code(), StatusCode::kFailedPrecondition);
+  auto stranger = Pull(PrimaryOf(0), 1, 10, 0, 2, 2);
+  ASSERT_TRUE(stranger->done);
+  EXPECT_EQ(stranger->status().code(), StatusCode::kInvalidArgument);
+  ExpectReplicasEqual();
+}
+
 TEST_F(PsCoreTest, NewEpochAbortsWaitingPullsAndRefusesOldPushes) {
   Job job;
   Start(2, job);
@@ -1435,7 +1477,7 @@ std::vector<StoreRuleCase> StoreRuleCases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Rules, StoreMatchesReference, ::testing::ValuesIn(StoreRuleCases()),
-                         [](const auto& info) { return info.param.name; });
+                         [](const auto& rule) { return rule.param.name; });
 
 class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};
 
