@@ -105,8 +105,21 @@ int RunCommand(int argc, char** argv) {
                idle.empty() ? "not measured" : idle, s.analytic_bubble * 100);
   }
   if (s.server_steps_applied) {
-    fmt::print("  the servers applied {} updates{}\n", *s.server_steps_applied,
-               *s.server_steps_applied == s.steps ? " (one per completed step)" : " (NOT one per completed step)");
+    if (o.train.consistency != "sync") {
+      // Each contributor's push is an update of its own: one per worker in
+      // ps mode, one per node in hybrid mode.
+      const uint64_t contributors = o.train.mode == "ps" ? s.world_size : static_cast<uint64_t>(o.nodes);
+      fmt::print("  the servers applied {} updates (asynchronous: one per push; {} contributors x {} steps = {})\n",
+                 *s.server_steps_applied, contributors, s.steps, contributors * s.steps);
+    } else {
+      fmt::print("  the servers applied {} updates{}\n", *s.server_steps_applied,
+                 *s.server_steps_applied == s.steps ? " (one per completed step)" : " (NOT one per completed step)");
+    }
+  } else if (!s.server_steps_detail.empty() && o.train.consistency != "sync") {
+    fmt::print(
+        "  the partitions applied different numbers of updates (asynchronous: a push cut off by a membership change "
+        "is applied on some partitions only): {}\n",
+        s.server_steps_detail);
   } else if (!s.server_steps_detail.empty()) {
     fmt::print("  the servers disagree on their updates: {}\n", s.server_steps_detail);
   }

@@ -45,9 +45,11 @@ tandem::Status Fit(tandem::WorkerContext& ctx) {
   std::vector<float> grads(kDim + 1, 0.0f);
   std::vector<tandem::v1::TensorSpec> tensors(2);
   tensors[0].set_name("weight");
+  tensors[0].set_dtype(tandem::v1::DTYPE_FLOAT32);
   tensors[0].add_shape(kDim);
   tensors[0].set_flat_offset(0);
   tensors[1].set_name("bias");
+  tensors[1].set_dtype(tandem::v1::DTYPE_FLOAT32);
   tensors[1].add_shape(1);
   tensors[1].set_flat_offset(kDim);
   tensors[1].set_group("no_decay");
@@ -65,7 +67,14 @@ tandem::Status Fit(tandem::WorkerContext& ctx) {
   while (!ctx.stopping()) {
     auto plan = runtime.BeginStep();
     if (!plan.ok()) return plan.status();
-    if (plan->step > steps) break;
+    if (plan->step > steps) {
+      // With train.consistency async or bounded, the other workers may still
+      // be training: wait for them (nothing to do in sync mode).
+      tandem::Status finished = runtime.FinishRun();
+      if (finished.ok()) break;
+      if (runtime.Fatal(finished)) return finished;
+      continue;  // a membership change: the next BeginStep resynchronises
+    }
     // This rank's contiguous share of the step's batch.
     const uint64_t first = (plan->step - 1) * kBatch % kSamples;
     const uint64_t begin = kBatch * plan->dp_rank / plan->dp_size;

@@ -30,6 +30,7 @@
 #include <map>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include <fmt/format.h>
@@ -606,20 +607,36 @@ TEST(TrainProcessTest, ShardedPlacementEqualsReplicatedBitForBit) {
   EXPECT_NE(refused.output.find("sharded needs train.mode hybrid"), std::string::npos) << refused.output;
 }
 
-// A hybrid cluster launched daemon by daemon (a coordinator, three servers,
-// 2 nodes x 2 workers), so that one server can be given a failpoint.
+// A cluster launched daemon by daemon (by default a coordinator, three
+// servers, 2 nodes x 2 workers in hybrid mode), so that one server or one
+// worker can be given a failpoint.
 struct HandRun {
   std::vector<float> params;
   std::string worker_logs;
   std::string server_logs;  // the survivors'
   bool crashed = false;     // the server with the failpoint died of SIGKILL
   std::string failure;      // empty when every step completed
+  std::string stats;        // `tandem ps stats --partitions --json` once the parameters are out
 };
 
-// `failpoint` goes to server-0, or to every server with `every_server`.
+struct HandOptions {
+  int servers = 3;
+  int workers = 4;
+  int workers_per_node = 2;
+  std::string mode = "hybrid";
+  // Goes to server-0, or to every server with `every_server`.
+  std::string failpoint;
+  bool every_server = false;
+  // Goes to the last worker.
+  std::string worker_failpoint;
+  // Every worker's; "{i}" becomes the worker's index.
+  std::vector<std::string> worker_args;
+};
+
 HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t parameters, int steps,
-                  const std::string& failpoint, bool every_server = false,
-                  const std::vector<std::string>& worker_args = {}) {
+                  const HandOptions& options = {}) {
+  const std::string& failpoint = options.failpoint;
+  const bool every_server = options.every_server;
   HandRun out;
   const std::string work = dir.path() + "/" + name;
   std::filesystem::create_directories(work);
@@ -659,15 +676,17 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
       }
     }
   };
-  if (!launch("tandem-coordinator", "coordinator",
-              {"--job-min-workers", "4", "--job-max-workers", "4", "--job-min-servers", "3", "--job-last-call-window",
-               "0s", "--job-parameter-count", std::to_string(parameters), "--job-partition-size", "16KiB",
-               "--job-heartbeat-interval", "200ms", "--job-heartbeat-deadline", "3s", "--job-stream-grace", "300ms"})) {
+  if (!launch(
+          "tandem-coordinator", "coordinator",
+          {"--job-min-workers", std::to_string(options.workers), "--job-max-workers", std::to_string(options.workers),
+           "--job-min-servers", std::to_string(options.servers), "--job-last-call-window", "0s",
+           "--job-parameter-count", std::to_string(parameters), "--job-partition-size", "16KiB",
+           "--job-heartbeat-interval", "200ms", "--job-heartbeat-deadline", "3s", "--job-stream-grace", "300ms"})) {
     finish();
     return out;
   }
   const std::string coordinator = daemons[0].ready.grpc_address;
-  for (int i = 0; i < 3; ++i) {
+  for (int i = 0; i < options.servers; ++i) {
     std::vector<std::string> prefix;
     if ((i == 0 || every_server) && !failpoint.empty()) prefix = {"/usr/bin/env", "TANDEM_FAILPOINTS=" + failpoint};
     if (!launch("tandem-server", "server-" + std::to_string(i),
@@ -677,14 +696,29 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
     }
   }
   const std::string params_file = work + "/params.bin";
-  for (int i = 0; i < 4; ++i) {
-    std::vector<std::string> args = {
-        "--coordinator-address", coordinator,    "--node-id", "node-" + std::to_string(i / 2), "--train-steps",
-        std::to_string(steps),   "--train-mode", "hybrid",    "--train-progress-file",         work + "/progress.jsonl",
-        "--train-params-out",    params_file};
+  for (int i = 0; i < options.workers; ++i) {
+    std::vector<std::string> args = {"--coordinator-address",
+                                     coordinator,
+                                     "--node-id",
+                                     "node-" + std::to_string(i / options.workers_per_node),
+                                     "--train-steps",
+                                     std::to_string(steps),
+                                     "--train-mode",
+                                     options.mode,
+                                     "--train-progress-file",
+                                     work + "/progress.jsonl",
+                                     "--train-params-out",
+                                     params_file};
     args.insert(args.end(), Model().begin(), Model().end());
-    args.insert(args.end(), worker_args.begin(), worker_args.end());
-    if (!launch("tandem-worker", "worker-" + std::to_string(i), args)) {
+    for (std::string a : options.worker_args) {
+      if (auto at = a.find("{i}"); at != std::string::npos) a.replace(at, 3, std::to_string(i));
+      args.push_back(a);
+    }
+    std::vector<std::string> prefix;
+    if (i + 1 == options.workers && !options.worker_failpoint.empty()) {
+      prefix = {"/usr/bin/env", "TANDEM_FAILPOINTS=" + options.worker_failpoint};
+    }
+    if (!launch("tandem-worker", "worker-" + std::to_string(i), args, prefix)) {
       finish();
       return out;
     }
@@ -698,6 +732,12 @@ HandRun RunByHand(const testing::TempDir& dir, const std::string& name, size_t p
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 0 finishes writing
+  if (out.failure.empty()) {
+    out.stats =
+        RunCommand({BinDir() + "/tandem", "ps", "stats", "--coordinator", coordinator, "--partitions", "--json"},
+                   std::chrono::seconds(20))
+            .output;
+  }
   finish();
   out.params = ReadParams(params_file);
   return out;
@@ -715,9 +755,11 @@ TEST(TrainProcessTest, AServerDyingBetweenItsDecisionAndItsBackupsLosesNoUpdate)
   const size_t parameters = local.params.size();
   ASSERT_GT(parameters, 3u * 4096u);  // more partitions of 16 KiB than servers
   constexpr int kSteps = 8;
-  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, "");
+  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps);
   ASSERT_TRUE(reference.failure.empty()) << reference.failure << "\n" << reference.worker_logs;
-  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps, "ps.crash_on_decide=4");
+  HandOptions crashing;
+  crashing.failpoint = "ps.crash_on_decide=4";
+  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps, crashing);
   ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
   EXPECT_TRUE(crash.crashed);
   EXPECT_NE(crash.server_logs.find("promoted to primary"), std::string::npos) << crash.server_logs;
@@ -740,11 +782,14 @@ TEST(TrainProcessTest, AServerDyingAfterItsDecisionWhileTheParametersLandLosesNo
   const size_t parameters = local.params.size();
   ASSERT_GT(parameters, 3u * 4096u);
   constexpr int kSteps = 8;
-  const std::vector<std::string> buckets = {"--train-bucket-bytes", "16KiB"};
-  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, "", false, buckets);
+  HandOptions buckets;
+  buckets.worker_args = {"--train-bucket-bytes", "16KiB"};
+  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, buckets);
   ASSERT_TRUE(reference.failure.empty()) << reference.failure << "\n" << reference.worker_logs;
-  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps,
-                                  "ps.crash_on_decide=4,ps.crash_on_decide_primary_of=1", true, buckets);
+  HandOptions crashing = buckets;
+  crashing.failpoint = "ps.crash_on_decide=4,ps.crash_on_decide_primary_of=1";
+  crashing.every_server = true;
+  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps, crashing);
   ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
   EXPECT_TRUE(crash.crashed);
   // Step 4 completed (partition 0 landed) and the failure came in step 5's forward.
@@ -753,6 +798,197 @@ TEST(TrainProcessTest, AServerDyingAfterItsDecisionWhileTheParametersLandLosesNo
   ASSERT_EQ(crash.params.size(), parameters);
   ASSERT_EQ(reference.params.size(), parameters);
   EXPECT_EQ(std::memcmp(crash.params.data(), reference.params.data(), parameters * sizeof(float)), 0);
+}
+
+// Asynchronous training (train.consistency async and bounded): each
+// contributor's push is an update of its own, applied once: the servers
+// count one per push (ps mode: workers x steps; hybrid: nodes x steps), and
+// the model still learns. The sharded placement pulls its shard's final
+// parameters after the barrier that ends the run. Meshes the asynchronous
+// modes cannot update (pp or tp > 1), allreduce mode and global clipping
+// are refused, naming the key.
+TEST(TrainProcessTest, AsynchronousRunsApplyEveryPushOnceAndLearn) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const auto async = Invoke(dir, "async",
+                            {"run", "--mode", "ps", "--nodes", "2", "--servers", "2", "--steps", "20", "--network",
+                             "loopback", "--partition-size", "16KiB", "--train-consistency", "async"});
+  ASSERT_TRUE(async.ok) << async.output;
+  EXPECT_EQ(Applied(async.summary), 2 * 20) << async.output;
+  EXPECT_NE(async.output.find("2 contributors x 20 steps = 40"), std::string::npos) << async.output;
+  EXPECT_LT(async.summary["last_loss"].as<double>(), async.summary["first_loss"].as<double>() - 1.0) << async.output;
+  ASSERT_EQ(async.params.size(), local.params.size());
+  for (float p : async.params) ASSERT_TRUE(std::isfinite(p));
+
+  const auto bounded = Invoke(dir, "bounded", {"run",      "--mode",
+                                               "hybrid",   "--nodes",
+                                               "2",        "--workers-per-node",
+                                               "2",        "--servers",
+                                               "1",        "--steps",
+                                               "12",       "--network",
+                                               "loopback", "--partition-size",
+                                               "16KiB",    "--placement",
+                                               "sharded",  "--train-consistency",
+                                               "bounded",  "--train-staleness-bound",
+                                               "1"});
+  ASSERT_TRUE(bounded.ok) << bounded.output;
+  EXPECT_EQ(Applied(bounded.summary), 2 * 12) << bounded.output;
+  ASSERT_EQ(bounded.params.size(), local.params.size());
+  for (float p : bounded.params) ASSERT_TRUE(std::isfinite(p));
+  EXPECT_NE(bounded.params, local.params);
+
+  // Bounded staleness through a killed worker and an added one: after each
+  // membership change the workers go on from the highest step any of them
+  // completed, their clocks moved there by their first pulls.
+  const auto elastic = Invoke(dir, "elastic",
+                              {"run", "--mode", "ps", "--nodes", "3", "--servers", "2", "--steps", "20", "--network",
+                               "loopback", "--partition-size", "16KiB", "--train-consistency", "bounded",
+                               "--kill-worker-at", "6", "--add-worker-at", "12"});
+  ASSERT_TRUE(elastic.ok) << elastic.output;
+  EXPECT_EQ(elastic.summary["faults"].as<int>(), 1);
+  EXPECT_EQ(elastic.summary["workers_added"].as<int>(), 1);
+  EXPECT_GE(elastic.summary["epochs"].as<int>(), 3);
+  EXPECT_EQ(elastic.summary["world_size"].as<int>(), 3);
+  EXPECT_EQ(elastic.summary["steps"].as<int>(), 20);
+  ASSERT_EQ(elastic.params.size(), local.params.size());
+  for (float p : elastic.params) ASSERT_TRUE(std::isfinite(p));
+
+  const auto refused = [](std::vector<std::string> args, const std::string& why) {
+    std::vector<std::string> argv = {BinDir() + "/tandem", "run", "--nodes", "2", "--steps", "1"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = RunCommand(argv, std::chrono::seconds(60));
+    EXPECT_FALSE(r.exit.success()) << r.output;
+    EXPECT_NE(r.output.find(why), std::string::npos) << r.output;
+  };
+  refused({"--pp", "2", "--train-consistency", "async"}, "need a data-parallel mesh (tp = pp = 1)");
+  refused({"--mode", "allreduce", "--train-consistency", "bounded"}, "train.mode allreduce is synchronous");
+  refused({"--train-consistency", "async", "--train-max-grad-norm", "1"}, "train.max_grad_norm");
+}
+
+// examples/custom_loop.cc, the API's complete program: two of them fit
+// their linear model through one server, synchronously and with bounded
+// staleness (where the worker that ends first waits in FinishRun). Each logs
+// its loss every 10 steps and stays in the job once done.
+TEST(TrainProcessTest, TheCustomLoopExampleFitsItsModelInEveryConsistency) {
+  testing::TempDir dir;
+  for (const std::string consistency : {"sync", "bounded"}) {
+    const std::string work = dir.path() + "/" + consistency;
+    std::filesystem::create_directories(work);
+    std::vector<cli::LaunchedDaemon> daemons;
+    const auto launch = [&](const std::string& binary, const std::string& name, std::vector<std::string> args) {
+      cli::LaunchSpec spec;
+      spec.binary = BinDir() + "/" + binary;
+      spec.name = name;
+      spec.args = std::move(args);
+      spec.work_dir = work;
+      auto d = cli::Launch(spec);
+      EXPECT_TRUE(d.ok()) << name << ": " << d.status().ToString();
+      if (d.ok()) daemons.push_back(std::move(*d));
+      return d.ok();
+    };
+    bool up = launch("tandem-coordinator", "coordinator",
+                     {"--job-min-workers", "2", "--job-max-workers", "2", "--job-min-servers", "1",
+                      "--job-last-call-window", "0s", "--job-parameter-count", "17", "--job-partition-size", "4KiB"});
+    if (up) up = launch("tandem-server", "server", {"--coordinator-address", daemons[0].ready.grpc_address});
+    for (int i = 0; up && i < 2; ++i) {
+      up = launch("tandem-example-custom-loop", "worker-" + std::to_string(i),
+                  {"--coordinator-address", daemons[0].ready.grpc_address, "--node-id", "node-" + std::to_string(i),
+                   "--train-mode", "ps", "--train-steps", "60", "--train-consistency", consistency,
+                   "--train-staleness-bound", "1", "--train-schedule", "constant"});
+    }
+    const auto finished = [&] {
+      int done = 0;
+      for (const auto& d : daemons) {
+        if (d.name.rfind("worker", 0) == 0 && ReadFile(d.log_file).find("training finished") != std::string::npos)
+          ++done;
+      }
+      return done == 2;
+    };
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (up && !finished() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_TRUE(finished()) << consistency;
+    for (auto it = daemons.rbegin(); it != daemons.rend(); ++it) (void)it->process->Signal(SIGTERM);
+    std::string logs;
+    for (auto it = daemons.rbegin(); it != daemons.rend(); ++it) {
+      if (!it->process->Wait(std::chrono::milliseconds(10000)).ok())
+        (void)it->process->Stop(std::chrono::milliseconds(0));
+      logs += ReadFile(it->log_file);
+    }
+    // Global rank 0's losses at steps 10 and 60: the fit goes on.
+    std::map<int, double> loss;
+    const std::regex line(R"(step (\d+): loss ([0-9.]+) \(2 workers\))");
+    for (std::sregex_iterator m(logs.begin(), logs.end(), line), end; m != end; ++m) {
+      loss[std::stoi((*m)[1])] = std::stod((*m)[2]);
+    }
+    ASSERT_TRUE(loss.count(10) && loss.count(60)) << logs;
+    EXPECT_LT(loss[60], loss[10] / 4) << consistency << "\n" << logs;
+    EXPECT_EQ(logs.find("training failed"), std::string::npos) << logs;
+  }
+}
+
+// Bounded staleness holds a fast worker to its bound. A coordinator, one
+// server and two ps-mode workers on nodes of their own; the second sleeps
+// 60 ms before each step (failpoint train.step_delay_ms). Each worker's
+// sample log has a line per step, written after the step's computation and
+// before its push, with the time. With staleness_bound k = 1, the fast
+// worker computes step s only once the slow worker's push of s - 2 is
+// applied: the slow worker's line of s - 2 comes before the fast worker's
+// line of s, for every s. Without the bound (async) the fast worker runs
+// ahead of that, so the check tells the two apart. Either way the server
+// applies every push once: 2 x steps updates per partition.
+TEST(TrainProcessTest, BoundedStalenessHoldsAFastWorkerToItsBound) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
+  ASSERT_TRUE(local.ok) << local.output;
+  constexpr int kSteps = 12;
+  constexpr int kBound = 1;
+  // Per step s (of the fast worker's), how many steps the slow worker had
+  // not yet pushed of those up to s - k - 1.
+  const auto lead = [&](const std::string& consistency) {
+    const std::string work = dir.path() + "/" + consistency;
+    HandOptions options;
+    options.servers = 1;
+    options.workers = 2;
+    options.workers_per_node = 1;
+    options.mode = "ps";
+    options.worker_failpoint = "train.step_delay_ms=60";
+    options.worker_args = {"--train-consistency",  consistency,          "--train-staleness-bound",
+                           std::to_string(kBound), "--train-sample-log", work + "/samples-{i}.jsonl"};
+    const HandRun run = RunByHand(dir, consistency, local.params.size(), kSteps, options);
+    EXPECT_TRUE(run.failure.empty()) << run.failure << "\n" << run.worker_logs;
+    EXPECT_EQ(run.params.size(), local.params.size());
+    // Every primary partition applied every push once.
+    const YAML::Node stats = YAML::Load(run.stats);
+    int partitions = 0;
+    for (const auto& server : stats["servers"]) {
+      for (const auto& p : server["partitions"]) {
+        if (p["role"].as<std::string>() != "primary") continue;
+        EXPECT_EQ(p["version"].as<uint64_t>(), 2u * kSteps + 1) << run.stats;
+        ++partitions;
+      }
+    }
+    EXPECT_GT(partitions, 0) << run.stats;
+    std::array<std::map<uint64_t, double>, 2> times;
+    for (int i = 0; i < 2; ++i) {
+      std::istringstream lines(ReadFile(work + "/samples-" + std::to_string(i) + ".jsonl"));
+      for (std::string line; std::getline(lines, line);) {
+        const YAML::Node r = YAML::Load(line);
+        times[i][r["step"].as<uint64_t>()] = r["time"].as<double>();
+      }
+      EXPECT_EQ(times[i].size(), static_cast<size_t>(kSteps)) << run.worker_logs;
+    }
+    int ahead = 0;
+    for (uint64_t s = kBound + 2; s <= kSteps; ++s) {
+      if (!times[0].count(s) || !times[1].count(s - kBound - 1)) continue;
+      if (times[1][s - kBound - 1] > times[0][s]) ++ahead;
+    }
+    return ahead;
+  };
+  EXPECT_EQ(lead("bounded"), 0);
+  EXPECT_GT(lead("async"), 0);
 }
 
 // The elastic run: 2 nodes x 2 workers; one is killed with SIGKILL after

@@ -5,6 +5,7 @@
 #include "worker/runtime/trainer.h"
 
 #include <cmath>
+#include <functional>
 
 #include <gtest/gtest.h>
 
@@ -87,6 +88,41 @@ TEST(TrainerTest, ConfigurationErrorsNameTheOption) {
   EXPECT_EQ(RuntimeOptionsOf(c).status().code(), StatusCode::kInvalidArgument);
 }
 
+// train.consistency reaches the servers' configuration, and what the
+// asynchronous modes cannot do is refused naming the key.
+TEST(TrainerTest, AsynchronousModesAndWhatTheyRefuse) {
+  TrainConfig c = Small();
+  c.mode = "ps";
+  auto sync = RuntimeOptionsOf(c);
+  ASSERT_TRUE(sync.ok()) << sync.status().ToString();
+  EXPECT_EQ(sync->consistency.mode(), v1::CONSISTENCY_MODE_UNSPECIFIED);  // the servers' SYNC
+  c.consistency = "async";
+  auto async = RuntimeOptionsOf(c);
+  ASSERT_TRUE(async.ok()) << async.status().ToString();
+  EXPECT_EQ(async->consistency.mode(), v1::CONSISTENCY_MODE_ASYNC);
+  c.consistency = "bounded";
+  c.staleness_bound = 3;
+  auto bounded = RuntimeOptionsOf(c);
+  ASSERT_TRUE(bounded.ok()) << bounded.status().ToString();
+  EXPECT_EQ(bounded->consistency.mode(), v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
+  EXPECT_EQ(bounded->consistency.staleness_bound(), 3u);
+  const std::vector<std::pair<std::function<void(TrainConfig&)>, std::string>> refusals = {
+      {[](TrainConfig& x) { x.mode = "allreduce"; }, "train.mode allreduce is synchronous"},
+      {[](TrainConfig& x) { x.max_grad_norm = 1; }, "train.max_grad_norm"},
+      {[](TrainConfig& x) { x.schedule = "cosine"; }, "train.schedule cosine"},
+      {[](TrainConfig& x) { x.checkpoint_dir = "/ckpt"; }, "train.checkpoint_dir: a checkpoint is a cut"},
+      {[](TrainConfig& x) { x.resume_from = "/ckpt/step-0000000010"; }, "train.resume_from"},
+      {[](TrainConfig& x) { x.consistency = "eventual"; }, "train.consistency: 'eventual'"},
+  };
+  for (const auto& [change, why] : refusals) {
+    TrainConfig bad = c;
+    change(bad);
+    const Status s = RuntimeOptionsOf(bad).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+    EXPECT_NE(s.message().find(why), std::string::npos) << s.ToString();
+  }
+}
+
 TEST(TrainerTest, WorkerFlagsCarryTheWholeConfiguration) {
   TrainConfig c = Small();
   c.mode = "ps";
@@ -102,6 +138,8 @@ TEST(TrainerTest, WorkerFlagsCarryTheWholeConfiguration) {
   c.gradient_wire = "bf16";
   c.step_timeout = std::chrono::milliseconds(4321);
   c.sample_log = "/tmp/samples.jsonl";
+  c.consistency = "bounded";
+  c.staleness_bound = 7;
   std::vector<std::string> args = {"worker"};
   for (const auto& f : TrainFlags(c)) args.push_back(f);
   std::vector<char*> argv;
@@ -125,6 +163,8 @@ TEST(TrainerTest, WorkerFlagsCarryTheWholeConfiguration) {
   EXPECT_EQ(parsed.gradient_wire, c.gradient_wire);
   EXPECT_EQ(parsed.step_timeout, c.step_timeout);
   EXPECT_EQ(parsed.sample_log, c.sample_log);
+  EXPECT_EQ(parsed.consistency, c.consistency);
+  EXPECT_EQ(parsed.staleness_bound, c.staleness_bound);
   EXPECT_EQ(parsed.layers, c.layers);
   EXPECT_EQ(parsed.d_model, c.d_model);
 }

@@ -432,6 +432,12 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
     return FailedPrecondition("epoch {} lacks the communicators the runtime needs (is data_plane.backend off?)", epoch);
   }
   if (world_->epoch() != epoch) return Aborted("epoch {} was superseded while joining it", epoch);
+  if (asynchronous() && split) {
+    return InvalidArgument(
+        "train.consistency {}: asynchronous updates need a data-parallel mesh (tp = pp = 1), but epoch {} has pp {} "
+        "and tp {} (a partition shared by two parts would be updated by each part's push on its own)",
+        options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ? "async" : "bounded", epoch, mesh.pp(), mesh.tp());
+  }
   TANDEM_RETURN_IF_ERROR(BindStage(view));
   view_ = std::make_shared<DataPlane::EpochView>(view);
   // Server modes: who contributes to a part's partitions. In hybrid mode
@@ -612,8 +618,8 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     // the stage come from the model's initial values.
     const std::vector<v1::TensorSpec> table = model_.tensors(stages_, tp_size_);
     google::protobuf::RepeatedPtrField<v1::TensorSpec> tensors(table.begin(), table.end());
-    v1::ConsistencyConfig consistency;
-    consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
+    v1::ConsistencyConfig consistency = options_.consistency;
+    if (consistency.mode() == v1::CONSISTENCY_MODE_UNSPECIFIED) consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
     const PsClient::ValueSource values = [&](uint64_t b, uint64_t e, float* out) {
       if (sharded_) {  // the model's buffer was never filled
         model_.initial(b, e, out);
@@ -673,47 +679,22 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   // last step they applied: a step decided before the membership change is
   // complete even where its pull was cut off.
   const auto& map = view.epoch.shard_map();
-  const auto overlaps = [&](int p) {
-    return map.partitions(p).range().end() > lo && map.partitions(p).range().begin() < hi;
-  };
-  const auto pull_all = [&](uint64_t step, const std::vector<bool>* only) -> Result<std::vector<int64_t>> {
-    std::vector<std::shared_ptr<PsOp>> ops(map.partitions_size());
-    std::vector<std::vector<float>> edges(map.partitions_size());
-    const int me = node_->rank();
-    for (int p = 0; p < map.partitions_size(); ++p) {
-      if (!overlaps(p) || (only != nullptr && !(*only)[p])) continue;
-      const auto& r = map.partitions(p).range();
-      const size_t count = r.end() - r.begin();
-      float* into = params_.data() + (std::max<uint64_t>(r.begin(), lo) - lo);
-      if (sharded_) {
-        // Only the partitions of this worker's shard, into the shard.
-        const PartitionPlace& place = places_[static_cast<size_t>(p)];
-        if (static_cast<int>(place.bucket->owner[place.k]) != me) continue;
-        into = place.bucket->pulled.data() + place.bucket->slot[place.k];
-      } else if (r.begin() < lo || r.end() > hi) {
-        edges[p].resize(count);
-        into = edges[p].data();
-      }
-      ops[p] = ps->Pull(map.partitions(p).id(), step, v1::WIRE_DTYPE_FP32, into, count * sizeof(float));
-    }
-    // INT64_MAX: a partition of other stages only.
-    std::vector<int64_t> steps(map.partitions_size(), INT64_MAX);
-    for (int p = 0; p < map.partitions_size(); ++p) {
-      if (!ops[p]) continue;
-      TANDEM_RETURN_IF_ERROR(
-          ops[p]
-              ->Wait(options_.timeout)
-              .WithContext(fmt::format("pulling partition {} from the parameter servers", map.partitions(p).id())));
-      steps[p] = static_cast<int64_t>(ops[p]->reply().step);
-      if (!edges[p].empty()) {
-        const auto& r = map.partitions(p).range();
-        const uint64_t from = std::max<uint64_t>(r.begin(), lo), to = std::min<uint64_t>(r.end(), hi);
-        std::memcpy(params_.data() + (from - lo), edges[p].data() + (from - r.begin()), (to - from) * sizeof(float));
-      }
-    }
-    return steps;
-  };
-  auto steps = pull_all(0, nullptr);
+  if (asynchronous()) {
+    // Steps are each worker's own: go on from the highest any worker
+    // completed, and past the epoch's start_step, at or below which the
+    // servers' clocks count pushes as duplicates. The pulls name the step
+    // this worker computes next, which moves its clocks there (and, with
+    // bounded staleness, waits until every contributor's pull did).
+    int64_t mine = static_cast<int64_t>(std::max<uint64_t>(completed_, view.epoch.start_step()));
+    int64_t agreed = 0;
+    TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                               .WithContext("agreeing on the step to go on from"));
+    auto pulled = PullStage(map, static_cast<uint64_t>(agreed) + 1, nullptr, contributor_, stage_contributors_[0]);
+    if (!pulled.ok()) return pulled.status();
+    completed_ = static_cast<uint64_t>(agreed);
+    return Status::Ok();
+  }
+  auto steps = PullStage(map, 0, nullptr);
   if (!steps.ok()) return steps.status();
   int64_t mine = 0;
   for (int64_t step : *steps) {
@@ -757,7 +738,7 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     auto pushed = PushStepAgainIfWhole(static_cast<uint64_t>(agreed), count, lagging);
     if (!pushed.ok()) return pushed.status();
     if (!*pushed) {
-      auto again = pull_all(static_cast<uint64_t>(agreed), &behind);
+      auto again = PullStage(map, static_cast<uint64_t>(agreed), &behind);
       if (!again.ok()) {
         return again.status().WithContext(fmt::format(
             "waiting for partitions {} to apply step {} (if their server died in the same membership change as a "
@@ -768,6 +749,51 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
   }
   completed_ = static_cast<uint64_t>(agreed);
   return Status::Ok();
+}
+
+Result<std::vector<int64_t>> Runtime::PullStage(const v1::ShardMap& map, uint64_t step, const std::vector<bool>* only,
+                                                uint32_t contributor, uint32_t contributors) {
+  PsClient* ps = plane_.ps_client();
+  const size_t lo = base_, hi = base_ + params_.size();  // this stage's elements
+  const auto overlaps = [&](int p) {
+    return map.partitions(p).range().end() > lo && map.partitions(p).range().begin() < hi;
+  };
+  std::vector<std::shared_ptr<PsOp>> ops(map.partitions_size());
+  std::vector<std::vector<float>> edges(map.partitions_size());
+  const int me = node_->rank();
+  for (int p = 0; p < map.partitions_size(); ++p) {
+    if (!overlaps(p) || (only != nullptr && !(*only)[p])) continue;
+    const auto& r = map.partitions(p).range();
+    const size_t count = r.end() - r.begin();
+    float* into = params_.data() + (std::max<uint64_t>(r.begin(), lo) - lo);
+    if (sharded_) {
+      // Only the partitions of this worker's shard, into the shard.
+      const PartitionPlace& place = places_[static_cast<size_t>(p)];
+      if (static_cast<int>(place.bucket->owner[place.k]) != me) continue;
+      into = place.bucket->pulled.data() + place.bucket->slot[place.k];
+    } else if (r.begin() < lo || r.end() > hi) {
+      edges[p].resize(count);
+      into = edges[p].data();
+    }
+    ops[p] = ps->Pull(map.partitions(p).id(), step, v1::WIRE_DTYPE_FP32, into, count * sizeof(float), contributor,
+                      contributors);
+  }
+  // INT64_MAX: a partition of other stages only.
+  std::vector<int64_t> steps(map.partitions_size(), INT64_MAX);
+  for (int p = 0; p < map.partitions_size(); ++p) {
+    if (!ops[p]) continue;
+    TANDEM_RETURN_IF_ERROR(
+        ops[p]
+            ->Wait(options_.timeout)
+            .WithContext(fmt::format("pulling partition {} from the parameter servers", map.partitions(p).id())));
+    steps[p] = static_cast<int64_t>(ops[p]->reply().step);
+    if (!edges[p].empty()) {
+      const auto& r = map.partitions(p).range();
+      const uint64_t from = std::max<uint64_t>(r.begin(), lo), to = std::min<uint64_t>(r.end(), hi);
+      std::memcpy(params_.data() + (from - lo), edges[p].data() + (from - r.begin()), (to - from) * sizeof(float));
+    }
+  }
+  return steps;
 }
 
 Result<std::vector<v1::CheckpointInfo>> Runtime::SaveCheckpoint(const std::string& directory, uint64_t step) {
@@ -938,7 +964,7 @@ Status Runtime::RunBucket(Bucket& b) {
     }
     b.pushes.push_back(ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes));
   }
-  if (!pulls_posted_) {
+  if (!pulls_posted_ && !asynchronous()) {  // asynchronous: after the pushes are applied (EnqueueFinish)
     PostPulls();
     pulls_posted_ = true;
   }
@@ -953,22 +979,40 @@ void Runtime::PostPulls() {
   // every partition (synchronous steps are decided whole): never before
   // this worker's backward is over, so it may land in the parameters
   // directly.
+  //
+  // Asynchronous modes: posted once this worker's pushes are applied, and
+  // answered with the parameters as they are then. Bounded staleness: the
+  // pull names the step this worker computes next, s = step_ + 1, and the
+  // servers answer it once every contributor's updates up to s - k - 1 are
+  // in, the condition on which they take this worker's push of s.
   PsClient* ps = plane_.ps_client();
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
+  const bool async = asynchronous();
+  const uint64_t step = async ? step_ + 1 : step_;
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     Bucket& b = **it;
     for (const auto& o : b.owned) {
+      const uint32_t contributor = async ? o.contributor : 0, contributors = async ? o.contributors : 0;
       if (bf16_in) {
-        b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_BF16, b.wire_in.data() + o.wire_offset,
-                                   o.count * sizeof(uint16_t)));
+        b.pulls.push_back(ps->Pull(o.partition, step, v1::WIRE_DTYPE_BF16, b.wire_in.data() + o.wire_offset,
+                                   o.count * sizeof(uint16_t), contributor, contributors));
       } else {
-        b.pulls.push_back(ps->Pull(o.partition, step_, v1::WIRE_DTYPE_FP32, o.param, o.count * sizeof(float)));
+        b.pulls.push_back(ps->Pull(o.partition, step, v1::WIRE_DTYPE_FP32, o.param, o.count * sizeof(float),
+                                   contributor, contributors));
       }
     }
   }
 }
 
 Status Runtime::ReduceLoss() {
+  if (asynchronous()) {
+    // No collective over the workers during a step: this worker's own
+    // shard's loss, scaled to the global mean's scale.
+    loss_out_[0] = loss_in_[0] * static_cast<float>(std::max<uint32_t>(1, view_->epoch.mesh().dp()));
+    loss_out_[1] = loss_in_[1];
+    loss_out_[2] = loss_in_[2];
+    return Status::Ok();
+  }
   return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
 }
 
@@ -1014,7 +1058,16 @@ Status Runtime::LandBucket(Bucket& b, uint64_t step) {
 
 uint64_t Runtime::EnqueueFinish() {
   if (options_.mode == TrainingMode::kAllReduce) return Enqueue([this] { return ReduceLoss(); });
-  Enqueue([this] { return FinishPushes(); });
+  if (asynchronous()) {
+    Enqueue([this]() -> Status {
+      TANDEM_RETURN_IF_ERROR(FinishPushes());
+      PostPulls();
+      pulls_posted_ = true;
+      return Status::Ok();
+    });
+  } else {
+    Enqueue([this] { return FinishPushes(); });
+  }
   // Buckets land in the order the next forward reads them (the first
   // elements first). Any pull answered proves the step decided, and a
   // decided step is applied on every server (a server that died before
@@ -1222,6 +1275,29 @@ Status Runtime::Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t>
 Status Runtime::WaitForParameters() {
   if (params_.empty()) return Status::Ok();
   return AwaitLanding({0, params_.size()});
+}
+
+Status Runtime::FinishRun() {
+  if (!asynchronous() || options_.mode == TrainingMode::kAllReduce || synced_epoch_ == 0) return Status::Ok();
+  const uint64_t last = completed_;
+  Status s = WaitFor(Enqueue([this, last] {
+    return world_->Barrier().WithContext(
+        fmt::format("waiting for every worker to end step {} (asynchronous workers end together: one more than "
+                    "data_plane.timeout behind fails this wait; train.consistency bounded keeps them closer)",
+                    last));
+  }));
+  if (s.ok()) {
+    // No push changes the servers' parameters any more.
+    auto pulled = PullStage(view_->epoch.shard_map(), 0, nullptr);
+    s = pulled.ok() ? Status::Ok() : pulled.status().WithContext("pulling the final parameters");
+  }
+  if (!s.ok()) {
+    (void)Settle();
+    failed_epoch_ = synced_epoch_;
+    last_failure_ = s;
+    synced_epoch_ = 0;  // the next BeginStep resynchronises
+  }
+  return s;
 }
 
 Status Runtime::AwaitLanding(std::pair<size_t, size_t> range) {

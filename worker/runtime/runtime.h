@@ -71,6 +71,20 @@
 // same loss: the training loop reports it (and the samples and tokens) from
 // tensor rank 0 only.
 //
+// Asynchronous modes. With RuntimeOptions.consistency ASYNC or
+// BOUNDED_STALENESS (server modes, tp = pp = 1) the servers apply each push
+// on arrival, and a step has no collective over the workers: each pushes its
+// gradient, waits for its pushes to be applied, then pulls the parameters as
+// they are (bounded: once every worker's updates up to step s - k - 1 are in,
+// for a worker about to compute step s). A worker's steps are its own; the
+// loss it reports is its own shard's, scaled to the global mean (loss_share
+// × dp), and samples and tokens its own. After a membership change every
+// worker goes on from the highest step any worker completed (the epoch's
+// start_step at least; the servers count pushes at or below it as
+// duplicates); pushes cut off by the change are lost or applied, not
+// repeated. FinishRun, at the end, waits for every worker and pulls the
+// servers' final parameters.
+//
 // Thread safety: BeginStep, GradientsReady and EndStep are called from the
 // training thread only. Stop() may be called from any thread.
 #pragma once
@@ -153,6 +167,12 @@ struct RuntimeOptions {
   // their filesystem) instead of the model's initial values; the first
   // step is the one after the checkpoint's.
   std::string resume_from;
+  // Server modes: how the servers apply pushes. SYNC (the default): every
+  // step whole, once every contributor pushed it. ASYNC and
+  // BOUNDED_STALENESS: each push on arrival; the workers of a data-parallel
+  // mesh (tp = pp = 1) never wait for each other during a step (see
+  // "Asynchronous modes" above).
+  v1::ConsistencyConfig consistency;
 };
 
 // What BeginStep tells the training loop.
@@ -320,6 +340,12 @@ class Runtime {
   // is a failed step: give it to AbandonStep, and the next BeginStep
   // resynchronises.
   Status WaitForParameters();
+  // After the last step, before the final parameters are read. Asynchronous
+  // modes: waits until every worker has ended its last step (a barrier over
+  // the world, up to the data plane's timeout), then pulls the servers'
+  // parameters, which no push changes any more. Sync: nothing to do. An
+  // error is a failed step (AbandonStep, then BeginStep resynchronises).
+  Status FinishRun();
   // Whether a failure ends training (bad configuration or input, state that
   // no worker holds any more, Stop()) rather than a membership change to
   // wait out.
@@ -352,6 +378,17 @@ class Runtime {
   v1::OptimizerConfig OptimizerFor(int tp) const;
   Status CheckBuffers(std::span<float> params, std::span<float> grads, const std::vector<v1::TensorSpec>& tensors);
   Status ResyncFromServers(const DataPlane::EpochView& view);
+  // Pulls the stage's partitions of `map` that `only` marks (null: all) once
+  // `step` is applied (0: as they are) into the parameters (the shard when
+  // sharded); returns each partition's step (INT64_MAX: not the stage's).
+  // Asynchronous modes: `step` is the one this worker computes next, and the
+  // pulls name it as `contributor` of `contributors`.
+  Result<std::vector<int64_t>> PullStage(const v1::ShardMap& map, uint64_t step, const std::vector<bool>* only,
+                                         uint32_t contributor = 0, uint32_t contributors = 0);
+  bool asynchronous() const {
+    return options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ||
+           options_.consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
+  }
   Status ResyncAllReduce();
   Status PlanBuckets(const DataPlane::EpochView& view);
   Status RunBucket(Bucket& bucket);

@@ -15,6 +15,7 @@
 #include <prometheus/registry.h>
 #include <spdlog/spdlog.h>
 
+#include "common/failpoint.h"
 #include "worker/data/dataset.h"
 #include "worker/data/sampler.h"
 #include "worker/runtime/pipeline.h"
@@ -544,6 +545,13 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
   o.Choice("train.placement", &c->placement, {"replicated", "sharded"},
            "replicated: every worker keeps all parameters; sharded (ZeRO-3, hybrid mode): each worker of a node keeps "
            "only its parameter-server partitions and gathers a segment's parameters from the node when it needs them");
+  o.Choice("train.consistency", &c->consistency, {"sync", "async", "bounded"},
+           "server modes (tp = pp = 1 for async and bounded): sync applies each step once every worker pushed it; "
+           "async applies each push on arrival and workers never wait for each other; bounded is async with no "
+           "worker more than train.staleness_bound steps ahead of the slowest");
+  o.Int("train.staleness_bound", &c->staleness_bound,
+        "train.consistency bounded: a worker computing step s sees every worker's updates up to step s - k - 1", 1,
+        1000000);
   o.Int("train.context", &c->context, "tokens (bytes) per sequence", 1, 1 << 16);
   o.Int("train.d_model", &c->d_model, "width of the model", 1, 1 << 16);
   o.Int("train.heads", &c->heads, "attention heads (divides d_model)", 1, 1 << 10);
@@ -611,6 +619,10 @@ std::vector<std::string> TrainFlags(const TrainConfig& c) {
                                 c.pipeline_schedule,
                                 "--train-placement",
                                 c.placement,
+                                "--train-consistency",
+                                c.consistency,
+                                "--train-staleness-bound",
+                                std::to_string(c.staleness_bound),
                                 "--train-context",
                                 std::to_string(c.context),
                                 "--train-d-model",
@@ -738,6 +750,47 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
           key);
     }
   }
+  // Consistency (docs/training.md, "Asynchronous and bounded-staleness
+  // training").
+  if (c.consistency == "async") {
+    r.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  } else if (c.consistency == "bounded") {
+    r.consistency.set_mode(v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
+    r.consistency.set_staleness_bound(static_cast<uint32_t>(c.staleness_bound));
+  } else if (c.consistency != "sync") {
+    return InvalidArgument("train.consistency: '{}' is not one of sync, async, bounded", c.consistency);
+  }
+  if (c.consistency != "sync") {
+    if (r.mode == TrainingMode::kAllReduce) {
+      return InvalidArgument(
+          "train.consistency {}: asynchronous updates are the parameter servers'; train.mode allreduce is "
+          "synchronous (use hybrid or ps)",
+          c.consistency);
+    }
+    if (c.max_grad_norm > 0) {
+      return InvalidArgument(
+          "train.max_grad_norm {}: global gradient-norm clipping needs whole steps, which train.consistency {} "
+          "does not have (set it to 0, or use sync)",
+          c.max_grad_norm, c.consistency);
+    }
+    if (c.schedule != "constant") {
+      // The servers' schedule counts their updates, one per contributor's
+      // push here, not training steps: a decay over train.steps updates
+      // would end long before the run does.
+      return InvalidArgument(
+          "train.schedule {}: the servers' learning-rate schedule counts updates, which train.consistency {} makes "
+          "one per worker's push, so a decay would not end at train.steps (use constant)",
+          c.schedule, c.consistency);
+    }
+    if (c.checkpoint_every > 0 || !c.checkpoint_dir.empty() || !c.resume_from.empty()) {
+      return InvalidArgument(
+          "{}: a checkpoint is a cut at a step boundary, which train.consistency {} does not have (use sync)",
+          c.checkpoint_every > 0      ? "train.checkpoint_every"
+          : !c.checkpoint_dir.empty() ? "train.checkpoint_dir"
+                                      : "train.resume_from",
+          c.consistency);
+    }
+  }
   if (c.checkpoint_every > 0 && c.checkpoint_dir.empty()) {
     return InvalidArgument("train.checkpoint_every: {} needs train.checkpoint_dir", c.checkpoint_every);
   }
@@ -817,9 +870,12 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   };
   size_t parameters = 0;
   for (const auto& t : model::TensorLayout(*whole)) parameters += t.size;
-  spdlog::info("training: {} steps of a {}-parameter model on {} ({} samples of {} bytes), global batch {}, {} mode",
+  spdlog::info("training: {} steps of a {}-parameter model on {} ({} samples of {} bytes), global batch {}, {} mode{}",
                config.steps, parameters, setup->dataset.name(), setup->dataset.size(), config.context,
-               config.global_batch, config.mode);
+               config.global_batch, config.mode,
+               config.consistency == "sync"      ? ""
+               : config.consistency == "bounded" ? fmt::format(", bounded staleness {}", config.staleness_bound)
+                                                 : ", asynchronous");
   const auto stopping = [&] { return hooks.stopping && hooks.stopping(); };
   // A completed step, to the caller and (global rank 0) to the progress file.
   const auto report = [&](const StepRecord& record) {
@@ -912,12 +968,14 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       // in place before they are written out, and a landing cut off by a
       // membership change is pulled again by a resync.
       Status landed = runtime.WaitForParameters();
+      // Asynchronous modes: the other workers may still be training.
+      if (landed.ok()) landed = runtime.FinishRun();
       if (landed.ok()) break;
       if (runtime.Fatal(landed)) {
         close_progress();
         return landed;
       }
-      spdlog::warn("the parameters of step {} did not all arrive; resynchronising: {}", completed_step,
+      spdlog::warn("the final parameters after step {} are not all in; resynchronising: {}", completed_step,
                    landed.ToString());
       runtime.AbandonStep(landed);
       continue;
@@ -931,6 +989,9 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
         return group->AllReduce(data, data, count, comm::DType::kFloat32,
                                 op == model::TpReduce::kMax ? comm::ReduceOp::kMax : comm::ReduceOp::kSum);
       });
+    }
+    if (auto delay = FailpointNumber("train.step_delay_ms")) {  // a slow worker, for tests
+      std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
     }
     const auto t0 = Clock::now();
     const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
@@ -970,12 +1031,14 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     if (sample_log != nullptr && setup->model->first_stage() && plan->tensor_rank == 0) {
       // Before the gradients leave: a step cannot complete without this line.
-      std::fprintf(sample_log, "%s\n",
-                   fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
-                               "\"offset\":{},\"samples\":[{}]}}",
-                               plan->step, plan->epoch, plan->dp_rank, plan->dp_size, share->cursor.epoch,
-                               share->cursor.offset, fmt::join(share->indices, ","))
-                       .c_str());
+      std::fprintf(
+          sample_log, "%s\n",
+          fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
+                      "\"offset\":{},\"time\":{:.6f},\"samples\":[{}]}}",
+                      plan->step, plan->epoch, plan->dp_rank, plan->dp_size, share->cursor.epoch, share->cursor.offset,
+                      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(),
+                      fmt::join(share->indices, ","))
+              .c_str());
       std::fflush(sample_log);
     }
     auto result = runtime.EndStep(share->loss_share, share->samples, share->tokens);

@@ -51,6 +51,11 @@ struct TrainConfig {
   int64_t accumulation = 1;                // micro-batches per rank and step (the pipeline's micro-batches when pp > 1)
   std::string pipeline_schedule = "1f1b";  // gpipe | 1f1b, when the mesh has pp > 1
   std::string placement = "replicated";    // replicated | sharded (ZeRO-3; hybrid mode)
+  // Server modes: sync (every step applied whole), async (each push applied
+  // on arrival) or bounded (async, no worker more than staleness_bound steps
+  // ahead of the slowest).
+  std::string consistency = "sync";
+  int64_t staleness_bound = 2;
   // The model.
   int64_t context = 64;
   int64_t d_model = 128;

@@ -16,6 +16,10 @@
 //       while (!ctx.stopping()) {
 //         auto plan = runtime.BeginStep();                // step, dp_rank, dp_size
 //         if (!plan.ok()) return plan.status();
+//         if (plan->step > last_step) {                   // done; async modes: wait for the others
+//           if (runtime.FinishRun().ok()) break;
+//           continue;                                     // a membership change: resync, then again
+//         }
 //         double loss = model.ForwardBackward(plan->dp_rank, plan->dp_size,
 //                                             [&](size_t from) { runtime.GradientsReady(from); });
 //         auto done = runtime.EndStep(loss_share, samples, tokens);
