@@ -1796,18 +1796,23 @@ bool ParameterStore::PullImpl(uint64_t from, const ps::Frame& h, Reply& reply, b
     } else {
       pull.target = part->state.step;
       if (h.contributors > 0 && h.contributors <= kMaxContributors) {
-        if (part->clocks.empty()) part->clocks.assign(h.contributors, start_step);
-        if (part->clocks.size() != h.contributors) {
-          refuse_pull(InvalidArgument("contributors: this pull says {}, the pushes and pulls of this epoch said {}",
-                                      h.contributors, part->clocks.size()));
-        } else if (h.contributor >= h.contributors) {
+        // The contributor is checked first: a refused pull starts no clocks
+        // (which would fix the epoch's contributor count).
+        if (h.contributor >= h.contributors) {
           refuse_pull(InvalidArgument("contributor {} is not below contributors ({})", h.contributor, h.contributors));
-        } else if (h.step > 0) {
-          // The puller computes step h.step next: it is done with the steps
-          // before (pushed, or left behind by a membership change after
-          // which the workers go on from a later step than the epoch's
-          // start_step), and pushes of them are duplicates from now on.
-          part->clocks[h.contributor] = std::max(part->clocks[h.contributor], h.step - 1);
+        } else {
+          if (part->clocks.empty()) part->clocks.assign(h.contributors, start_step);
+          if (part->clocks.size() != h.contributors) {
+            refuse_pull(InvalidArgument("contributors: this pull says {}, the pushes and pulls of this epoch said {}",
+                                        h.contributors, part->clocks.size()));
+          } else if (h.step > 0) {
+            // The puller computes step h.step next: it is done with the
+            // steps before (pushed, or left behind by a membership change
+            // after which the workers go on from a later step than the
+            // epoch's start_step), and pushes of them are duplicates from
+            // now on.
+            part->clocks[h.contributor] = std::max(part->clocks[h.contributor], h.step - 1);
+          }
         }
       }
     }

@@ -255,6 +255,17 @@ std::shared_ptr<Answer> Pull(ParameterStore& store, uint64_t epoch, uint64_t ste
   return a;
 }
 
+// A request answered at once with OK; for a push, whether it was counted
+// as a duplicate.
+::testing::AssertionResult AnsweredOk(const std::shared_ptr<Answer>& a) {
+  if (!a->done) return ::testing::AssertionFailure() << "not answered (yet)";
+  if (!a->status().ok()) return ::testing::AssertionFailure() << a->status().ToString();
+  return ::testing::AssertionSuccess();
+}
+bool Duplicate(const std::shared_ptr<Answer>& a) {
+  return (a->header.flags & ps::kFlagDuplicate) != 0;
+}
+
 // Deterministic gradient of (step, contributor) for a partition range.
 std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uint64_t end) {
   std::vector<float> g(end - begin);
@@ -1197,33 +1208,60 @@ TEST_F(PsCoreTest, BoundedStalenessPullsDeclareThePullersStep) {
   job.consistency.set_staleness_bound(1);
   Start(1, job);  // start_step 0
   auto [b, e] = Range(0);
+  auto push = [&](uint64_t step, uint32_t contributor) {
+    return Push(PrimaryOf(0), 1, step, 0, contributor, 2, Grad(step, contributor, b, e));
+  };
+  auto version = [&] { return PrimaryOf(0).Stats({0}).partitions(0).version(); };
+  // A refused first pull (a contributor outside its count) starts no clocks:
+  // the count of 2 below is still free to be taken.
+  auto stranger = Pull(PrimaryOf(0), 1, 10, 0, 3, 3);
+  ASSERT_TRUE(stranger->done);
+  EXPECT_EQ(stranger->status().code(), StatusCode::kInvalidArgument);
   // Both contributors go on after step 9: the first pull waits for the other.
   auto first = Pull(PrimaryOf(0), 1, 10, 0, 0, 2);
   EXPECT_FALSE(first->done);
   auto second = Pull(PrimaryOf(0), 1, 10, 0, 1, 2);
-  ASSERT_TRUE(first->done);
-  ASSERT_TRUE(second->done);
-  EXPECT_TRUE(first->status().ok()) << first->status().ToString();
-  EXPECT_TRUE(second->status().ok()) << second->status().ToString();
-  auto version = [&] { return PrimaryOf(0).Stats({0}).partitions(0).version(); };
+  EXPECT_TRUE(AnsweredOk(first));
+  EXPECT_TRUE(AnsweredOk(second));
   EXPECT_EQ(version(), 1u);
-  auto old = Push(PrimaryOf(0), 1, 9, 0, 0, 2, Grad(9, 0, b, e));
-  ASSERT_TRUE(old->status().ok());
-  EXPECT_NE(old->header.flags & ps::kFlagDuplicate, 0);
+  auto old = push(9, 0);
+  ASSERT_TRUE(AnsweredOk(old));
+  EXPECT_TRUE(Duplicate(old));
   EXPECT_EQ(version(), 1u);
   // Steps 10 and 11 of contributor 0 are within the bound of 1 from 9.
-  ASSERT_TRUE(Push(PrimaryOf(0), 1, 10, 0, 0, 2, Grad(10, 0, b, e))->status().ok());
-  ASSERT_TRUE(Push(PrimaryOf(0), 1, 11, 0, 0, 2, Grad(11, 0, b, e))->status().ok());
+  ASSERT_TRUE(AnsweredOk(push(10, 0)));
+  ASSERT_TRUE(AnsweredOk(push(11, 0)));
   EXPECT_EQ(version(), 3u);
-  EXPECT_EQ(Push(PrimaryOf(0), 1, 12, 0, 0, 2, Grad(12, 0, b, e))->status().code(), StatusCode::kFailedPrecondition);
-  // A pull never moves a clock back, and names a contributor of the count.
-  auto behind = Pull(PrimaryOf(0), 1, 3, 0, 0, 2);
-  ASSERT_TRUE(behind->done);
-  EXPECT_TRUE(behind->status().ok());
-  EXPECT_EQ(Push(PrimaryOf(0), 1, 12, 0, 0, 2, Grad(12, 0, b, e))->status().code(), StatusCode::kFailedPrecondition);
-  auto stranger = Pull(PrimaryOf(0), 1, 10, 0, 2, 2);
-  ASSERT_TRUE(stranger->done);
-  EXPECT_EQ(stranger->status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(push(12, 0)->status().code(), StatusCode::kFailedPrecondition);
+  // A pull never moves a clock back.
+  EXPECT_TRUE(AnsweredOk(Pull(PrimaryOf(0), 1, 3, 0, 0, 2)));
+  EXPECT_EQ(push(12, 0)->status().code(), StatusCode::kFailedPrecondition);
+  // Pulls of step 0, or without contributors, move no clock: contributor 1
+  // is still at 9, so its step 10 is applied, not a duplicate.
+  EXPECT_TRUE(AnsweredOk(Pull(PrimaryOf(0), 1, 0, 0, 1, 2)));
+  EXPECT_TRUE(AnsweredOk(Pull(PrimaryOf(0), 1, 11, 0)));
+  auto ten = push(10, 1);
+  ASSERT_TRUE(AnsweredOk(ten));
+  EXPECT_FALSE(Duplicate(ten));
+  EXPECT_EQ(version(), 4u);
+  ExpectReplicasEqual();
+}
+
+// Asynchronous mode (no bound): such a pull is answered at once and still
+// moves its contributor's clock.
+TEST_F(PsCoreTest, AsyncPullsMoveTheirContributorsClock) {
+  Job async;
+  async.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  Start(2, async);
+  auto [b, e] = Range(0);
+  EXPECT_TRUE(AnsweredOk(Pull(PrimaryOf(0), 1, 10, 0, 0, 2)));
+  auto dup = Push(PrimaryOf(0), 1, 9, 0, 0, 2, Grad(9, 0, b, e));
+  ASSERT_TRUE(AnsweredOk(dup));
+  EXPECT_TRUE(Duplicate(dup));
+  auto applied = Push(PrimaryOf(0), 1, 10, 0, 0, 2, Grad(10, 0, b, e));
+  ASSERT_TRUE(AnsweredOk(applied));
+  EXPECT_FALSE(Duplicate(applied));
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 2u);
   ExpectReplicasEqual();
 }
 

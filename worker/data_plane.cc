@@ -354,6 +354,18 @@ std::shared_ptr<const DataPlane::EpochView> DataPlane::WaitNewer(uint64_t after,
   return built_;
 }
 
+std::unique_ptr<comm::Rendezvous> DataPlane::EpochValues(uint64_t epoch) {
+  std::lock_guard lock(view_mu_);
+  if (session_ == nullptr || !built_ || built_->epoch.epoch() != epoch) return nullptr;
+  comm::CoordinatorRendezvousOptions rv;
+  rv.job_id = session_->options().job_id;
+  rv.member_id = session_->member_id();
+  rv.session_id = session_->session_id();
+  rv.token = session_->options().token;
+  rv.epoch = epoch;
+  return std::make_unique<comm::CoordinatorRendezvous>(session_->channel(), rv);
+}
+
 void DataPlane::ReportStep(uint64_t step) {
   std::lock_guard lock(view_mu_);
   if (session_ != nullptr) session_->SetStep(step);

@@ -86,6 +86,11 @@ class DataPlane {
   // The last training step this worker completed, for its heartbeats (the
   // coordinator keeps the job's step and starts new epochs from it).
   void ReportStep(uint64_t step);
+  // The coordinator's values of the built epoch `epoch` (PutEpochValue and
+  // GetEpochValues), for agreements that may wait longer than a
+  // communicator's timeout; a Get returns ABORTED once the epoch is
+  // superseded. Null when `epoch` is not the built one.
+  std::unique_ptr<comm::Rendezvous> EpochValues(uint64_t epoch);
   bool stopping() const { return stopping_; }
 
  private:

@@ -123,8 +123,10 @@ class PsClient {
                              v1::WireDType dtype, const void* data, size_t bytes);
   // Parameters of `partition` once step `step` is applied (0: now), as
   // `dtype` (FP32 or BF16) into `dst` (the partition's elements times the
-  // dtype's size). Bounded staleness: `contributor` of `contributors` is the
-  // puller.
+  // dtype's size). Asynchronous modes: with `contributors` set, the puller
+  // is `contributor` and computes `step` next; the server moves its clock up
+  // to step - 1 and, with bounded staleness, answers once the slowest
+  // contributor is within the bound.
   std::shared_ptr<PsOp> Pull(uint32_t partition, uint64_t step, v1::WireDType dtype, void* dst, size_t bytes,
                              uint32_t contributor = 0, uint32_t contributors = 0);
 

@@ -237,6 +237,25 @@ Status Runtime::AttachModel(ModelBinding model) {
   if (options_.parameter_wire != v1::WIRE_DTYPE_FP32 && options_.parameter_wire != v1::WIRE_DTYPE_BF16) {
     return InvalidArgument("parameter wire type must be fp32 or bf16");
   }
+  if (asynchronous()) {
+    const char* name = options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ? "async" : "bounded";
+    if (options_.mode == TrainingMode::kAllReduce) {
+      return InvalidArgument(
+          "consistency {}: asynchronous updates are the parameter servers'; allreduce mode is "
+          "synchronous (use hybrid or ps)",
+          name);
+    }
+    if (options_.optimizer.max_grad_norm() > 0) {
+      return InvalidArgument("consistency {}: global gradient-norm clipping (max_grad_norm) needs whole steps", name);
+    }
+    const auto kind = options_.optimizer.lr_schedule().kind();
+    if (kind == v1::LR_SCHEDULE_KIND_COSINE || kind == v1::LR_SCHEDULE_KIND_LINEAR) {
+      return InvalidArgument(
+          "consistency {}: the servers' learning-rate schedule counts updates, one per contributor's push here, so a "
+          "decaying schedule would not end with the run (use a constant one)",
+          name);
+    }
+  }
   if (options_.placement == Placement::kSharded && options_.mode != TrainingMode::kHybrid) {
     return InvalidArgument(
         "placement sharded needs hybrid mode (the workers of a node share the parameters there), not {} mode",
@@ -436,7 +455,8 @@ Status Runtime::Resync(const DataPlane::EpochView& view) {
     return InvalidArgument(
         "train.consistency {}: asynchronous updates need a data-parallel mesh (tp = pp = 1), but epoch {} has pp {} "
         "and tp {} (a partition shared by two parts would be updated by each part's push on its own)",
-        options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ? "async" : "bounded", epoch, mesh.pp(), mesh.tp());
+        options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ? "async" : "bounded", epoch,
+        std::max<uint32_t>(1, mesh.pp()), tp);
   }
   TANDEM_RETURN_IF_ERROR(BindStage(view));
   view_ = std::make_shared<DataPlane::EpochView>(view);
@@ -685,7 +705,10 @@ Status Runtime::ResyncFromServers(const DataPlane::EpochView& view) {
     // servers' clocks count pushes as duplicates. The pulls name the step
     // this worker computes next, which moves its clocks there (and, with
     // bounded staleness, waits until every contributor's pull did).
-    int64_t mine = static_cast<int64_t>(std::max<uint64_t>(completed_, view.epoch.start_step()));
+    // A step of which this worker sent any push counts as done (its pushes
+    // were applied, or lost with the old epoch): pushing it again could
+    // apply it twice.
+    int64_t mine = static_cast<int64_t>(std::max({completed_, sent_step_.load(), view.epoch.start_step()}));
     int64_t agreed = 0;
     TANDEM_RETURN_IF_ERROR(world_->AllReduce(&mine, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
                                .WithContext("agreeing on the step to go on from"));
@@ -964,6 +987,7 @@ Status Runtime::RunBucket(Bucket& b) {
     }
     b.pushes.push_back(ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes));
   }
+  if (!b.owned.empty()) sent_step_ = std::max(sent_step_.load(), step_);
   if (!pulls_posted_ && !asynchronous()) {  // asynchronous: after the pushes are applied (EnqueueFinish)
     PostPulls();
     pulls_posted_ = true;
@@ -1279,25 +1303,54 @@ Status Runtime::WaitForParameters() {
 
 Status Runtime::FinishRun() {
   if (!asynchronous() || options_.mode == TrainingMode::kAllReduce || synced_epoch_ == 0) return Status::Ok();
-  const uint64_t last = completed_;
-  Status s = WaitFor(Enqueue([this, last] {
-    return world_->Barrier().WithContext(
-        fmt::format("waiting for every worker to end step {} (asynchronous workers end together: one more than "
-                    "data_plane.timeout behind fails this wait; train.consistency bounded keeps them closer)",
-                    last));
-  }));
+  Status s = WaitForEveryWorker();
   if (s.ok()) {
     // No push changes the servers' parameters any more.
     auto pulled = PullStage(view_->epoch.shard_map(), 0, nullptr);
     s = pulled.ok() ? Status::Ok() : pulled.status().WithContext("pulling the final parameters");
   }
   if (!s.ok()) {
+    // As a failed step: the next BeginStep resynchronises in a newer epoch.
     (void)Settle();
+    parameter_wait_ = 0;
+    in_step_ = false;
     failed_epoch_ = synced_epoch_;
     last_failure_ = s;
-    synced_epoch_ = 0;  // the next BeginStep resynchronises
+    synced_epoch_ = 0;
   }
   return s;
+}
+
+Status Runtime::WaitForEveryWorker() {
+  // Through the coordinator's epoch values rather than a collective: the
+  // slowest worker may be further behind than a communicator's timeout.
+  const uint64_t epoch = synced_epoch_;
+  std::unique_ptr<comm::Rendezvous> values = plane_.EpochValues(epoch);
+  if (!values) return Aborted("epoch {} was superseded before the end of the run", epoch);
+  const uint32_t world = view_->rank.world_size();
+  TANDEM_RETURN_IF_ERROR(
+      values->Put(fmt::format("runtime/finished/{}", view_->rank.global_rank()), std::to_string(completed_))
+          .WithContext("telling the other workers that this one ended its last step"));
+  const auto started = Clock::now();
+  auto next_note = started + std::chrono::seconds(10);
+  for (uint32_t r = 0; r < world; ++r) {
+    while (true) {
+      if (stopped_ || plane_.stopping()) return Cancelled("the worker is stopping");
+      auto got = values->Get(fmt::format("runtime/finished/{}", r), std::chrono::milliseconds(1000));
+      if (got.ok()) break;
+      if (got.status().code() != StatusCode::kDeadlineExceeded) {
+        return got.status().WithContext("waiting for the other workers to end their last step");
+      }
+      if (Clock::now() >= next_note) {
+        spdlog::info(
+            "step {} was this worker's last; waiting {:.0f} s so far for rank {} (and any after it) to end "
+            "theirs",
+            completed_, Seconds(Clock::now() - started), r);
+        next_note = Clock::now() + std::chrono::seconds(30);
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 Status Runtime::AwaitLanding(std::pair<size_t, size_t> range) {

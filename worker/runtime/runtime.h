@@ -81,7 +81,8 @@
 // × dp), and samples and tokens its own. After a membership change every
 // worker goes on from the highest step any worker completed (the epoch's
 // start_step at least; the servers count pushes at or below it as
-// duplicates); pushes cut off by the change are lost or applied, not
+// duplicates; a step of which this worker sent any push counts as
+// completed); pushes cut off by the change are lost or applied, never
 // repeated. FinishRun, at the end, waits for every worker and pulls the
 // servers' final parameters.
 //
@@ -340,11 +341,13 @@ class Runtime {
   // is a failed step: give it to AbandonStep, and the next BeginStep
   // resynchronises.
   Status WaitForParameters();
-  // After the last step, before the final parameters are read. Asynchronous
-  // modes: waits until every worker has ended its last step (a barrier over
-  // the world, up to the data plane's timeout), then pulls the servers'
-  // parameters, which no push changes any more. Sync: nothing to do. An
-  // error is a failed step (AbandonStep, then BeginStep resynchronises).
+  // After the last step (the BeginStep that planned the step past it),
+  // before the final parameters are read. Asynchronous modes: waits, without
+  // a time limit and through the coordinator, until every worker of the
+  // epoch has ended its last step, logging every 30 s, then pulls the
+  // servers' parameters, which no push changes any more. Sync: nothing to
+  // do. An error ends the step as a failed one: the next BeginStep waits
+  // for a newer epoch and resynchronises.
   Status FinishRun();
   // Whether a failure ends training (bad configuration or input, state that
   // no worker holds any more, Stop()) rather than a membership change to
@@ -385,6 +388,7 @@ class Runtime {
   // pulls name it as `contributor` of `contributors`.
   Result<std::vector<int64_t>> PullStage(const v1::ShardMap& map, uint64_t step, const std::vector<bool>* only,
                                          uint32_t contributor = 0, uint32_t contributors = 0);
+  Status WaitForEveryWorker();
   bool asynchronous() const {
     return options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ||
            options_.consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
@@ -441,6 +445,9 @@ class Runtime {
   uint64_t paused_epoch_ = 0;  // the last paused epoch announced in the log
   Status last_failure_;
   uint64_t completed_ = 0;
+  // Asynchronous modes: the highest step of which this worker sent a push
+  // (written by the communication thread).
+  std::atomic<uint64_t> sent_step_{0};
   std::shared_ptr<const DataPlane::EpochView> view_;
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> node_;      // the node's workers of this part ("node", or "node-dp")
