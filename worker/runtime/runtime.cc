@@ -1210,7 +1210,10 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
 }
 
 void Runtime::AbandonStep(const Status& why) {
-  if (!in_step_) return;
+  if (in_step_) EndFailedStep(why);
+}
+
+void Runtime::EndFailedStep(const Status& why) {
   (void)Settle();
   parameter_wait_ = 0;
   in_step_ = false;
@@ -1309,15 +1312,8 @@ Status Runtime::FinishRun() {
     auto pulled = PullStage(view_->epoch.shard_map(), 0, nullptr);
     s = pulled.ok() ? Status::Ok() : pulled.status().WithContext("pulling the final parameters");
   }
-  if (!s.ok()) {
-    // As a failed step: the next BeginStep resynchronises in a newer epoch.
-    (void)Settle();
-    parameter_wait_ = 0;
-    in_step_ = false;
-    failed_epoch_ = synced_epoch_;
-    last_failure_ = s;
-    synced_epoch_ = 0;
-  }
+  // As a failed step: the next BeginStep resynchronises in a newer epoch.
+  if (!s.ok()) EndFailedStep(s);
   return s;
 }
 

@@ -389,6 +389,9 @@ class Runtime {
   Result<std::vector<int64_t>> PullStage(const v1::ShardMap& map, uint64_t step, const std::vector<bool>* only,
                                          uint32_t contributor = 0, uint32_t contributors = 0);
   Status WaitForEveryWorker();
+  // Ends the step as failed: waits for its communication, and the next
+  // BeginStep waits for a newer epoch and resynchronises.
+  void EndFailedStep(const Status& why);
   bool asynchronous() const {
     return options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ||
            options_.consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
