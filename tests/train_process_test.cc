@@ -936,13 +936,15 @@ TEST(TrainProcessTest, TheCustomLoopExampleFitsItsModelInEveryConsistency) {
 // Bounded staleness holds a fast worker to its bound. A coordinator, one
 // server and two ps-mode workers on nodes of their own; the second sleeps
 // 60 ms before each step (failpoint train.step_delay_ms). Each worker's
-// sample log has a line per step, written after the step's computation and
-// before its push, with the time. With staleness_bound k = 1, the fast
-// worker computes step s only once the slow worker's push of s - 2 is
-// applied: the slow worker's line of s - 2 comes before the fast worker's
-// line of s, for every s. Without the bound (async) the fast worker runs
-// ahead of that, so the check tells the two apart. Either way the server
-// applies every push once: 2 x steps updates per partition.
+// sample log has a line per step with the time its computation started
+// ("start", before any of its gradients leave) and the time it ended
+// ("time"). With staleness_bound k = 1, the fast worker computes step s
+// only once the slow worker's push of s - 2 is applied, so the slow
+// worker's start of s - 2 comes before the fast worker's end of s, for
+// every s. (The slow worker's end of s - 2 need not: its first buckets
+// leave during its backward pass.) Without the bound (async) the fast
+// worker runs ahead of that, so the check tells the two apart. Either way
+// the server applies every push once: 2 x steps updates per partition.
 TEST(TrainProcessTest, BoundedStalenessHoldsAFastWorkerToItsBound) {
   testing::TempDir dir;
   const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
@@ -975,19 +977,20 @@ TEST(TrainProcessTest, BoundedStalenessHoldsAFastWorkerToItsBound) {
       }
     }
     EXPECT_GT(partitions, 0) << run.stats;
-    std::array<std::map<uint64_t, double>, 2> times;
+    // Per worker and step: when its computation started and ended.
+    std::array<std::map<uint64_t, std::pair<double, double>>, 2> times;
     for (int i = 0; i < 2; ++i) {
       std::istringstream lines(ReadFile(work + "/samples-" + std::to_string(i) + ".jsonl"));
       for (std::string line; std::getline(lines, line);) {
         const YAML::Node r = YAML::Load(line);
-        times[i][r["step"].as<uint64_t>()] = r["time"].as<double>();
+        times[i][r["step"].as<uint64_t>()] = {r["start"].as<double>(), r["time"].as<double>()};
       }
       EXPECT_EQ(times[i].size(), static_cast<size_t>(kSteps)) << run.worker_logs;
     }
     int ahead = 0;
     for (uint64_t s = kBound + 2; s <= kSteps; ++s) {
       if (!times[0].count(s) || !times[1].count(s - kBound - 1)) continue;
-      if (times[1][s - kBound - 1] > times[0][s]) ++ahead;
+      if (times[1][s - kBound - 1].first > times[0][s].second) ++ahead;
     }
     return ahead;
   };

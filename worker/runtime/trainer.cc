@@ -30,6 +30,11 @@ double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
+// Seconds since the Unix epoch, for the sample log.
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 Result<v1::WireDType> ParseWire(const std::string& name, const char* key) {
   if (name == "fp32") return v1::WIRE_DTYPE_FP32;
   if (name == "bf16") return v1::WIRE_DTYPE_BF16;
@@ -994,6 +999,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
     }
     const auto t0 = Clock::now();
+    const double started = WallSeconds();
     const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
     PipelineTiming timing;
     auto share = plan->stages > 1 ? ComputePipelineShare(*setup, *plan, *schedule, ready, &timing)
@@ -1031,14 +1037,12 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     if (sample_log != nullptr && setup->model->first_stage() && plan->tensor_rank == 0) {
       // Before the gradients leave: a step cannot complete without this line.
-      std::fprintf(
-          sample_log, "%s\n",
-          fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
-                      "\"offset\":{},\"time\":{:.6f},\"samples\":[{}]}}",
-                      plan->step, plan->epoch, plan->dp_rank, plan->dp_size, share->cursor.epoch, share->cursor.offset,
-                      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(),
-                      fmt::join(share->indices, ","))
-              .c_str());
+      std::fprintf(sample_log, "%s\n",
+                   fmt::format("{{\"step\":{},\"epoch\":{},\"dp_rank\":{},\"dp_size\":{},\"data_epoch\":{},"
+                               "\"offset\":{},\"start\":{:.6f},\"time\":{:.6f},\"samples\":[{}]}}",
+                               plan->step, plan->epoch, plan->dp_rank, plan->dp_size, share->cursor.epoch,
+                               share->cursor.offset, started, WallSeconds(), fmt::join(share->indices, ","))
+                       .c_str());
       std::fflush(sample_log);
     }
     auto result = runtime.EndStep(share->loss_share, share->samples, share->tokens);
