@@ -406,8 +406,8 @@ int BenchOptimizerCommand(int argc, char** argv) {
                     "--threads) for each --params size, beside the memory bandwidth of a kernel with the same reads "
                     "and writes and beside torch.optim with foreach=True, and prints one row per size.");
   options.Bool("json", &c.json, "print one JSON object per size instead of the table");
-  options.Choice("optimizer", &c.optimizer, {"adamw", "adam", "sgd"},
-                 "update rule (sgd: momentum 0.9; all: weight decay 0.01)");
+  options.Choice("optimizer", &c.optimizer, {"adamw", "adam", "sgd"}, "update rule (all: weight decay 0.01)");
+  options.Double("momentum", &c.momentum, "sgd: the momentum (0: plain SGD, no momentum buffer)", 0.0, 0.999999);
   options.String("params", &params, "parameter counts, comma-separated (K/M/G = 10^3/10^6/10^9; Ki/Mi/Gi = 2^10...)");
   options.Int("threads", &threads, "threads (the pool and the caller; default: the hardware threads)", 1, 1024);
   options.Int("iters", &c.iters, "timed steps per size", 1, 100000);
@@ -490,11 +490,12 @@ int BenchOptimizerCommand(int argc, char** argv) {
           "{}, "
           "\"best_seconds_per_step\": {}, \"effective_gbps\": {}, \"memory_gbps\": {}, \"bandwidth_ratio\": {}, "
           "\"torch_seconds_per_step\": {}, \"torch_best_seconds_per_step\": {}, \"torch_speedup\": {}, "
-          "\"torch_version\": {}, \"wrong\": {}}}\n",
+          "\"torch_version\": {}, \"torch_unavailable\": {}, \"wrong\": {}}}\n",
           o.name(), n, c.threads, bytes_per_param, JsonNumber(row.seconds, 6), JsonNumber(row.best_seconds, 6),
           JsonNumber(eff, 5), JsonNumber(mem, 5), JsonNumber(eff / mem, 4), JsonNumber(row.torch_seconds, 6),
           JsonNumber(row.torch_best_seconds, 6), JsonNumber(speedup, 4),
-          torch.available ? fmt::format("\"{}\"", torch.version) : "null", row.wrong);
+          torch.available ? JsonQuote(torch.version) : "null", torch.available ? "null" : JsonQuote(torch.reason),
+          row.wrong);
     } else {
       fmt::print("  {:>10} {:>10.1f} {:>10.3f} {:>8.2f} {:>8.2f} {:>6.2f} {:>10} {:>8} {:>7}\n", FormatCount(n),
                  bytes / 1e6, row.seconds * 1e3, eff, mem, eff / mem,

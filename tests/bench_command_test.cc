@@ -163,7 +163,7 @@ done
 // --no-torch. Checked: the pooled update matches a single-threaded one bit
 // for bit (wrong 0), each row reports the size asked for, and effective_gbps
 // follows the documented byte model (28 B/param for Adam(W), 20 for SGD with
-// momentum) from the printed seconds_per_step. A missing torch is not an
+// momentum, 12 without) from the printed seconds_per_step. A missing torch is not an
 // error: its fields are null and the output says why.
 TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
   const bool torch = HasTorch();
@@ -179,6 +179,7 @@ TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
   for (const Case& k : std::vector<Case>{{"adamw", 28, "", torch, ""},  // python3's own reason
                                          {"adam", 28, "--python " + fake, true, ""},
                                          {"sgd", 20, "--python /bin/false", false, "exited with status 1"},
+                                         {"sgd", 12, "--momentum 0 --python " + fake, true, ""},  // plain SGD
                                          {"adamw", 28, "--no-torch", false, ""}}) {
     SCOPED_TRACE(k.optimizer + " " + k.torch_flags);
     const auto r = Tandem("bench optimizer --optimizer " + k.optimizer +
@@ -195,10 +196,13 @@ TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
     }
     if (k.torch_flags.find(fake) != std::string::npos) {
       // torch runs the same rule, sizes, threads and steps.
-      EXPECT_NE(testing::ReadFile(fake + ".args")
-                    .find("--optimizer adam --params 1000,100003 --threads 2 --iters 2 --warmup 1 "),
+      const std::string args = testing::ReadFile(fake + ".args");
+      EXPECT_NE(args.find("--optimizer " + k.optimizer + " --params 1000,100003 --threads 2 --iters 2 --warmup 1 "),
                 std::string::npos)
-          << testing::ReadFile(fake + ".args");
+          << args;
+      if (k.optimizer == "sgd") {
+        EXPECT_NE(args.find(k.bytes_per_param == 12 ? "--momentum 0 " : "--momentum 0.9 "), std::string::npos) << args;
+      }
     }
     for (size_t i = 0; i < lines.size(); ++i) {
       const std::string& line = lines[i];
@@ -225,14 +229,26 @@ TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
         EXPECT_EQ(Number(line, "torch_best_seconds_per_step"), 0.25);
         EXPECT_EQ(Field(line, "torch_version"), "\"0.fake\"");
         EXPECT_NEAR(Number(line, "torch_speedup"), 0.5 / seconds, 1e-3 * 0.5 / seconds);
+        EXPECT_EQ(Field(line, "torch_unavailable"), "null");
       } else if (k.with_torch) {
         EXPECT_GT(Number(line, "torch_seconds_per_step"), 0);
         EXPECT_GT(Number(line, "torch_speedup"), 0);
         EXPECT_NE(Field(line, "torch_version"), "null");
+        EXPECT_EQ(Field(line, "torch_unavailable"), "null");
       } else {
         for (const std::string key :
              {"torch_seconds_per_step", "torch_best_seconds_per_step", "torch_speedup", "torch_version"}) {
           EXPECT_EQ(Field(line, key), "null") << key;
+        }
+        // Why, as the table says it.
+        const std::string why = Field(line, "torch_unavailable");
+        ASSERT_GT(why.size(), 2u) << why;
+        EXPECT_EQ(why.front(), '"') << why;
+        if (k.torch_flags == "--no-torch") {
+          EXPECT_EQ(why, "\"skipped (--no-torch)\"");
+        }
+        if (!k.reason.empty()) {
+          EXPECT_NE(why.find(k.reason), std::string::npos) << why;
         }
       }
     }
