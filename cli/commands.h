@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "common/config.h"
+#include "common/json.h"
 #include "tandem/v1/coordinator.pb.h"
 
 namespace tandem::cli {
@@ -15,9 +16,8 @@ namespace tandem::cli {
 // (returns 0) or the error (returns 2); returns -1 when the command should run.
 int ParseOrExit(OptionSet& options, int argc, char** argv);
 
-// Helpers for the commands' --json output and statistics.
-// A JSON string literal of `s` (quotes, backslashes and control characters escaped).
-std::string JsonQuote(std::string_view s);
+// Helpers for the commands' --json output and statistics (JsonQuote is in
+// common/json.h).
 // `v` with `precision` significant digits, or null when unset or not finite.
 std::string JsonNumber(std::optional<double> v, int precision);
 // The median of `v` (0 when empty).

@@ -21,21 +21,6 @@ int ParseOrExit(OptionSet& options, int argc, char** argv) {
   return -1;
 }
 
-std::string JsonQuote(std::string_view s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    if (ch == '"' || ch == '\\') {
-      out += '\\';
-      out += ch;
-    } else if (static_cast<unsigned char>(ch) < 0x20) {
-      out += fmt::format("\\u{:04x}", static_cast<int>(static_cast<unsigned char>(ch)));
-    } else {
-      out += ch;
-    }
-  }
-  return out + "\"";
-}
-
 std::string JsonNumber(std::optional<double> v, int precision) {
   if (!v || !std::isfinite(*v)) return "null";
   return fmt::format("{:.{}g}", *v, precision);
