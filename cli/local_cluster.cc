@@ -73,10 +73,14 @@ struct Record {
   uint64_t parameter_bytes = 0;
 };
 
-// Reads the lines appended to a progress file since the last call.
+// Reads the lines appended to a progress file since the last call: one per
+// step, and the last one once training is finished.
 class ProgressReader {
  public:
   explicit ProgressReader(std::string path) : path_(std::move(path)) {}
+  // Whether the finished line was read, and the final checkpoint it names.
+  bool finished() const { return finished_; }
+  const std::string& checkpoint() const { return checkpoint_; }
   void Poll(std::map<uint64_t, Record>* records) {
     std::ifstream in(path_, std::ios::binary);
     if (!in) return;
@@ -93,9 +97,14 @@ class ProgressReader {
   }
 
  private:
-  static void Parse(std::string_view line, std::map<uint64_t, Record>* records) {
+  void Parse(std::string_view line, std::map<uint64_t, Record>* records) {
     try {
       const YAML::Node n = YAML::Load(std::string(line));
+      if (n["finished"]) {
+        finished_ = n["finished"].as<bool>();
+        if (n["checkpoint"] && !n["checkpoint"].IsNull()) checkpoint_ = n["checkpoint"].as<std::string>();
+        return;
+      }
       Record r;
       r.step = n["step"].as<uint64_t>();
       r.epoch = n["epoch"].as<uint64_t>();
@@ -117,6 +126,8 @@ class ProgressReader {
 
   std::string path_;
   size_t offset_ = 0;
+  bool finished_ = false;
+  std::string checkpoint_;
 };
 
 std::string Human(double v) {
@@ -362,7 +373,8 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     print(text + "\n");
   };
   const auto steps = static_cast<uint64_t>(o.train.steps);
-  std::optional<Clock::time_point> done_since;
+  std::optional<Clock::time_point> done_since;  // when the last step was reported
+  bool said_waiting = false;
   while (true) {
     if (shutdown.requested()) {
       summary.interrupted = true;
@@ -449,13 +461,19 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members.back().daemon.name,
                         node));
     }
-    if (last >= steps) {
-      // Rank 0 writes the final parameters right after its last step.
-      if (!done_since) done_since = Clock::now();
-      if (access(train.params_out.c_str(), R_OK) == 0 || Clock::now() - *done_since > std::chrono::seconds(5)) {
-        summary.completed = true;
-        break;
-      }
+    if (reader.finished()) {
+      // Rank 0 wrote the final parameters and the last checkpoint: nothing
+      // is left that stopping the cluster would cut short.
+      summary.completed = last >= steps;
+      if (!summary.completed) summary.failure = fmt::format("training finished after {} of {} steps", last, steps);
+      summary.checkpoint = reader.checkpoint();
+      break;
+    }
+    if (last >= steps && !done_since) {
+      done_since = Clock::now();
+    } else if (done_since && Clock::now() - *done_since > std::chrono::seconds(30) && !said_waiting) {
+      said_waiting = true;
+      event("All steps are done; waiting for rank 0 to write the final parameters and the last checkpoint ...");
     }
     // While a kill or an added worker is due, look often: small models
     // train a step in a few milliseconds, and the event should come at the
@@ -601,7 +619,8 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"tokens_per_second\": {},\n  \"mode\": {},\n  \"world_size\": {},\n  \"epochs\": {},\n  \"faults\": {},\n"
       "  \"workers_added\": {},\n  \"server_steps_applied\": {},\n  \"step_seconds_median\": {},\n"
       "  \"compute_seconds_median\": {},\n  \"exposed_comm_fraction\": {},\n  \"network\": {},\n"
-      "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"pipeline_stages\": {},\n"
+      "  \"elapsed_seconds\": {},\n  \"failure\": {},\n  \"work_dir\": {},\n  \"checkpoint\": {},\n"
+      "  \"pipeline_stages\": {},\n"
       "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
       "{},\n"
       "  \"worker_peak_rss_bytes\": {{{}}},\n  \"peak_parameter_bytes\": {},\n  \"placement\": {},\n"
@@ -611,9 +630,9 @@ std::string SummaryJson(const RunSummary& s) {
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
       JsonNumber(s.compute_seconds_median, 6), JsonNumber(s.exposed_fraction, 4), JsonQuote(s.network),
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
-      s.pipeline_stages, s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle,
-      JsonNumber(s.analytic_bubble, 4), s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement),
-      s.tensor_parallel, losses);
+      s.checkpoint.empty() ? "null" : JsonQuote(s.checkpoint), s.pipeline_stages,
+      s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle, JsonNumber(s.analytic_bubble, 4),
+      s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement), s.tensor_parallel, losses);
 }
 
 }  // namespace tandem::cli

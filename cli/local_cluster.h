@@ -89,6 +89,7 @@ struct RunSummary {
   double analytic_bubble = 0;
   double elapsed_seconds = 0;
   std::string work_dir;
+  std::string checkpoint;  // the final checkpoint's directory, when one was written
 };
 
 // Runs the job; `shutdown` stops it early (the summary says interrupted).

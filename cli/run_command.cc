@@ -123,6 +123,7 @@ int RunCommand(int argc, char** argv) {
   } else if (!s.server_steps_detail.empty()) {
     fmt::print("  the servers disagree on their updates: {}\n", s.server_steps_detail);
   }
+  if (!s.checkpoint.empty()) fmt::print("  last checkpoint: {}\n", s.checkpoint);
   if (!summary_file.empty()) {
     std::ofstream out(summary_file, std::ios::trunc);
     out << SummaryJson(s);

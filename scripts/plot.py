@@ -152,7 +152,8 @@ def plot_run(args):
     path = args.input
     if os.path.isdir(path):
         path = os.path.join(path, "progress.jsonl")
-    rows = read_jsonl(path)
+    # Step lines only (the last line says training finished).
+    rows = [r for r in read_jsonl(path) if "step" in r]
     steps = [r["step"] for r in rows]
     loss = Chart("Loss", "step", "loss")
     loss.line("loss", [(r["step"], r.get("loss")) for r in rows])

@@ -185,6 +185,9 @@ class PsNode::Service final : public v1::ParameterServer::Service {
     *info.mutable_started_time() = started_wall;
     info.set_state(v1::CHECKPOINT_STATE_IN_PROGRESS);
     auto write = [this, dir, meta, capture = std::move(capture), started]() -> v1::CheckpointInfo {
+      if (const auto delay = FailpointNumber("ps.checkpoint_write_delay_ms")) {  // a slow disk, for tests
+        std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
+      }
       std::vector<const PartitionState*> parts;
       for (const auto& p : capture.partitions) parts.push_back(&p);
       uint64_t bytes = 0;

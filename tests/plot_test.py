@@ -48,6 +48,8 @@ class PlotTest(unittest.TestCase):
             epoch = 1 if step <= 10 else (2 if step <= 20 else 3)
             rows.append({"step": step, "epoch": epoch, "world_size": {1: 4, 2: 3, 3: 4}[epoch], "loss": 5.0 - step / 10,
                          "step_seconds": 0.1, "compute_seconds": 0.08, "exposed_seconds": 0.01 * (step % 3)})
+        # The last line says training finished; it is not a step.
+        rows.append({"finished": True, "steps": 30, "checkpoint": None, "time": 1.0})
         self.write("progress.jsonl", rows)
         r = run("run", self.dir.name, "-o", self.path("run.svg"))
         self.assertEqual(r.returncode, 0, r.stderr)

@@ -144,13 +144,22 @@ TEST_F(TlsTest, HybridTrainingRunsWithEveryChannelOnMutualTls) {
   auto worker = testing::StartDaemon("tandem-worker", "worker", d, worker_args);
   ASSERT_TRUE(worker.ok()) << worker.status().ToString();
 
+  // A line per step, then the one that says training finished.
   int lines = 0;
-  for (int i = 0; i < 400 && lines < 3; ++i) {
+  bool finished = false;
+  for (int i = 0; i < 400 && !finished; ++i) {
     std::this_thread::sleep_for(milliseconds(50));
     std::ifstream in(train.progress_file);
     lines = 0;
-    for (std::string line; std::getline(in, line);) ++lines;
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("\"finished\":true") != std::string::npos) {
+        finished = true;
+      } else {
+        ++lines;
+      }
+    }
   }
+  EXPECT_TRUE(finished) << testing::ReadFile(worker->log_file) << testing::ReadFile(server->log_file);
   EXPECT_EQ(lines, 3) << testing::ReadFile(worker->log_file) << testing::ReadFile(server->log_file);
   EXPECT_TRUE(worker->process->Stop(milliseconds(5000)).success());
   EXPECT_TRUE(server->process->Stop(milliseconds(5000)).success());

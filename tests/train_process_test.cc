@@ -74,10 +74,13 @@ std::vector<float> ReadParams(const std::string& path) {
   return p;
 }
 
-Outcome Invoke(const testing::TempDir& dir, const std::string& name, std::vector<std::string> args) {
+// `prefix` goes before the binary (for example /usr/bin/env and a variable).
+Outcome Invoke(const testing::TempDir& dir, const std::string& name, std::vector<std::string> args,
+               std::vector<std::string> prefix = {}) {
   Outcome o;
   const std::string summary = dir.path() + "/" + name + ".json";
-  std::vector<std::string> argv = {BinDir() + "/tandem"};
+  std::vector<std::string> argv = std::move(prefix);
+  argv.push_back(BinDir() + "/tandem");
   argv.insert(argv.end(), args.begin(), args.end());
   argv.insert(argv.end(), Model().begin(), Model().end());
   argv.insert(argv.end(), {"--summary", summary});
@@ -187,6 +190,9 @@ TEST(TrainProcessTest, TheSummaryJsonHasEveryKeyWithItsOwnValue) {
   EXPECT_DOUBLE_EQ(y["losses"][0].as<double>(), 5.5);
   EXPECT_TRUE(y["losses"][1].IsNull());
   EXPECT_DOUBLE_EQ(y["losses"][2].as<double>(), 4.25);
+  EXPECT_TRUE(y["checkpoint"].IsNull());  // none written
+  s.checkpoint = "/ckpt/step-0000000003";
+  EXPECT_EQ(YAML::Load(cli::SummaryJson(s))["checkpoint"].as<std::string>(), "/ckpt/step-0000000003");
 }
 
 TEST(TrainProcessTest, DataParallelAllReduceEqualsOneProcess) {
@@ -285,6 +291,50 @@ TEST(TrainProcessTest, ARunResumedFromItsCheckpointEndsWhereTheWholeRunEnds) {
   EXPECT_FALSE(refused.exit.success()) << refused.output;
   EXPECT_NE(refused.output.find("train.resume_from: "), std::string::npos) << refused.output;
   EXPECT_NE(refused.output.find("step-0000000099"), std::string::npos) << refused.output;
+}
+
+// A periodic checkpoint is skipped, not half taken, while a server is still
+// writing the previous one. The server writes slowly (failpoint
+// ps.checkpoint_write_delay_ms=3000: each checkpoint takes 3 s longer) and
+// the run saves every 2 of its 8 steps: step 2's checkpoint is still being
+// written when steps 4 and 6 end, each of which says so and saves nothing;
+// training does not wait for it. The last save waits for the writer and is
+// written. Every checkpoint directory left behind verifies.
+TEST(TrainProcessTest, APeriodicCheckpointIsSkippedWhileTheLastIsStillBeingWritten) {
+  testing::TempDir dir;
+  const std::string ckpt = dir.path() + "/ckpt";
+  const auto run = Invoke(dir, "slow",
+                          {"run", "--mode", "ps", "--nodes", "1", "--servers", "1", "--steps", "8", "--network",
+                           "loopback", "--train-checkpoint-dir", ckpt, "--train-checkpoint-every", "2"},
+                          {"/usr/bin/env", "TANDEM_FAILPOINTS=ps.checkpoint_write_delay_ms=3000"});
+  ASSERT_TRUE(run.ok) << run.output;
+  EXPECT_EQ(Applied(run.summary), 8) << run.output;
+  const std::string log = ReadFile(run.work_dir + "/worker-0.log");
+  int skipped = 0;
+  for (int step : {2, 4, 6, 8}) {
+    SCOPED_TRACE(step);
+    const std::string path = fmt::format("{}/step-{:010d}", ckpt, step);
+    const bool said = log.find(fmt::format("step {}: no checkpoint: a server is still writing the previous one",
+                                           step)) != std::string::npos;
+    if (step == 2 || step == 8) {
+      EXPECT_FALSE(said) << log;
+    }
+    if (said) {
+      ++skipped;
+      EXPECT_FALSE(std::filesystem::exists(path)) << log;
+      continue;
+    }
+    ASSERT_TRUE(std::filesystem::exists(path)) << log;
+    auto verified = RunCommand({BinDir() + "/tandem", "checkpoint", "verify", path}, std::chrono::seconds(30));
+    EXPECT_TRUE(verified.exit.success()) << verified.output;
+  }
+  // Steps 4 and 6 end well within the 3 s that step 2's checkpoint takes.
+  EXPECT_GE(skipped, 1) << log;
+  EXPECT_NE(log.find("step 8: checkpoint " + ckpt + "/step-0000000008 written by 1 server(s)"), std::string::npos)
+      << log;
+  // The run stopped the cluster only once that was done, and says where it is.
+  EXPECT_EQ(run.summary["checkpoint"].as<std::string>(), ckpt + "/step-0000000008") << run.output;
+  EXPECT_NE(run.output.find("last checkpoint: " + ckpt + "/step-0000000008"), std::string::npos) << run.output;
 }
 
 // bf16 on the wire both ways: rounding gradients and parameters to 8 bits of
@@ -1031,10 +1081,17 @@ TEST(TrainProcessTest, AnElasticRunLosesNoUpdateAndNoSample) {
   // The epoch each step completed in, from rank 0's progress.
   std::map<uint64_t, uint64_t> completed_in;
   std::ifstream progress(run.work_dir + "/progress.jsonl");
+  bool finished = false;
   for (std::string line; std::getline(progress, line);) {
     const YAML::Node r = YAML::Load(line);
+    if (r["finished"]) {  // the last line
+      finished = r["finished"].as<bool>() && r["steps"].as<uint64_t>() == 24;
+      continue;
+    }
+    EXPECT_FALSE(finished) << "a step line after the finished line: " << line;
     completed_in[r["step"].as<uint64_t>()] = r["epoch"].as<uint64_t>();
   }
+  EXPECT_TRUE(finished);
   ASSERT_EQ(completed_in.size(), 24u);
   // Every attempt's shards; the attempt that counted is the one in the epoch
   // the step completed in.

@@ -16,6 +16,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/failpoint.h"
+#include "common/json.h"
 #include "worker/data/dataset.h"
 #include "worker/data/sampler.h"
 #include "worker/runtime/pipeline.h"
@@ -589,7 +590,8 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
   o.Duration("train.epoch_wait", &c->epoch_wait, "after a failed step, how long to wait for a new epoch",
              std::chrono::milliseconds(100), std::chrono::hours(24));
   o.String("train.progress_file", &c->progress_file,
-           "append one JSON line per completed step here (written by global rank 0)");
+           "append one JSON line per completed step here, and a last one with \"finished\" once training and its "
+           "last checkpoint are done (written by global rank 0)");
   o.String("train.params_out", &c->params_out,
            "write the final parameters here, raw little-endian fp32 (written by global rank 0)");
   o.String("train.checkpoint_dir", &c->checkpoint_dir,
@@ -895,6 +897,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   const uint64_t every = static_cast<uint64_t>(config.checkpoint_every);
   const uint64_t last_step = static_cast<uint64_t>(config.steps);
   uint64_t saved_step = 0;
+  std::string last_checkpoint;  // the final checkpoint's directory, once written
   const auto save_checkpoint = [&](uint64_t step, bool last) {
     // A server still writing the previous checkpoint refuses a new one
     // while the others write theirs: an incomplete checkpoint. A periodic
@@ -932,6 +935,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     if (written.ok()) {
       spdlog::info("step {}: checkpoint {} written by {} server(s)", step, where, saved->size());
       saved_step = step;
+      last_checkpoint = where;
     } else {
       spdlog::error("step {}: checkpoint {} was not written: {}", step, where, written.ToString());
     }
@@ -1101,6 +1105,21 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   // step's result while the servers applied it.
   if (every > 0 && last_plan.rank == 0 && saved_step < runtime.completed_steps()) {
     save_checkpoint(runtime.completed_steps(), /*last=*/true);
+  }
+  // The progress file's last line: training and its last checkpoint are
+  // done, so whoever waits on the file (tandem run) may stop the cluster.
+  if (!config.progress_file.empty() && last_plan.rank == 0) {
+    if (std::FILE* f = std::fopen(config.progress_file.c_str(), "a")) {
+      std::fprintf(
+          f, "%s\n",
+          fmt::format("{{\"finished\":true,\"steps\":{},\"checkpoint\":{},\"time\":{:.6f}}}", runtime.completed_steps(),
+                      last_checkpoint.empty() ? "null" : JsonQuote(last_checkpoint), WallSeconds())
+              .c_str());
+      std::fclose(f);
+    } else {
+      spdlog::warn("train.progress_file: cannot open '{}' for the final line: {}", config.progress_file,
+                   std::strerror(errno));
+    }
   }
   return Status::Ok();
 }
