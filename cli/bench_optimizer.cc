@@ -427,6 +427,11 @@ int BenchOptimizerCommand(int argc, char** argv) {
   c.params = *counts;
   c.threads = static_cast<int>(threads);
   c.torch = !no_torch;
+  if (c.optimizer != "sgd" && c.momentum != BenchConfig{}.momentum) {
+    fmt::print(stderr, "tandem bench optimizer: --momentum: applies to --optimizer sgd only (this is {})\n",
+               c.optimizer);
+    return 2;
+  }
   auto made = Optimizer::Create(MakeConfig(c));
   if (!made.ok()) {
     fmt::print(stderr, "tandem bench optimizer: {}\n", made.status().ToString());
@@ -486,16 +491,16 @@ int BenchOptimizerCommand(int argc, char** argv) {
     if (row.torch_seconds) speedup = *row.torch_seconds / row.seconds;
     if (c.json) {
       fmt::print(
-          "{{\"optimizer\": \"{}\", \"params\": {}, \"threads\": {}, \"bytes_per_param\": {}, \"seconds_per_step\": "
-          "{}, "
+          "{{\"optimizer\": \"{}\", \"momentum\": {}, \"params\": {}, \"threads\": {}, \"bytes_per_param\": {}, "
+          "\"seconds_per_step\": {}, "
           "\"best_seconds_per_step\": {}, \"effective_gbps\": {}, \"memory_gbps\": {}, \"bandwidth_ratio\": {}, "
           "\"torch_seconds_per_step\": {}, \"torch_best_seconds_per_step\": {}, \"torch_speedup\": {}, "
           "\"torch_version\": {}, \"torch_unavailable\": {}, \"wrong\": {}}}\n",
-          o.name(), n, c.threads, bytes_per_param, JsonNumber(row.seconds, 6), JsonNumber(row.best_seconds, 6),
-          JsonNumber(eff, 5), JsonNumber(mem, 5), JsonNumber(eff / mem, 4), JsonNumber(row.torch_seconds, 6),
-          JsonNumber(row.torch_best_seconds, 6), JsonNumber(speedup, 4),
-          torch.available ? JsonQuote(torch.version) : "null", torch.available ? "null" : JsonQuote(torch.reason),
-          row.wrong);
+          o.name(), c.optimizer == "sgd" ? JsonNumber(c.momentum, 6) : "null", n, c.threads, bytes_per_param,
+          JsonNumber(row.seconds, 6), JsonNumber(row.best_seconds, 6), JsonNumber(eff, 5), JsonNumber(mem, 5),
+          JsonNumber(eff / mem, 4), JsonNumber(row.torch_seconds, 6), JsonNumber(row.torch_best_seconds, 6),
+          JsonNumber(speedup, 4), torch.available ? JsonQuote(torch.version) : "null",
+          torch.available ? "null" : JsonQuote(torch.reason), row.wrong);
     } else {
       fmt::print("  {:>10} {:>10.1f} {:>10.3f} {:>8.2f} {:>8.2f} {:>6.2f} {:>10} {:>8} {:>7}\n", FormatCount(n),
                  bytes / 1e6, row.seconds * 1e3, eff, mem, eff / mem,

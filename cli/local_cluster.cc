@@ -78,8 +78,11 @@ struct Record {
 class ProgressReader {
  public:
   explicit ProgressReader(std::string path) : path_(std::move(path)) {}
-  // Whether the finished line was read, and the final checkpoint it names.
+  // Whether the finished line was read, the steps it says were completed
+  // (in the asynchronous modes rank 0 may skip lines of steps that others
+  // completed) and the final checkpoint it names.
   bool finished() const { return finished_; }
+  uint64_t finished_steps() const { return finished_steps_; }
   const std::string& checkpoint() const { return checkpoint_; }
   void Poll(std::map<uint64_t, Record>* records) {
     std::ifstream in(path_, std::ios::binary);
@@ -102,6 +105,7 @@ class ProgressReader {
       const YAML::Node n = YAML::Load(std::string(line));
       if (n["finished"]) {
         finished_ = n["finished"].as<bool>();
+        if (n["steps"]) finished_steps_ = n["steps"].as<uint64_t>();
         if (n["checkpoint"] && !n["checkpoint"].IsNull()) checkpoint_ = n["checkpoint"].as<std::string>();
         return;
       }
@@ -127,6 +131,7 @@ class ProgressReader {
   std::string path_;
   size_t offset_ = 0;
   bool finished_ = false;
+  uint64_t finished_steps_ = 0;
   std::string checkpoint_;
 };
 
@@ -375,6 +380,11 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   const auto steps = static_cast<uint64_t>(o.train.steps);
   std::optional<Clock::time_point> done_since;  // when the last step was reported
   bool said_waiting = false;
+  // After the last step rank 0 writes the final parameters and waits for
+  // its last checkpoint (at most max(step_timeout, 10 min)), maybe after a
+  // membership change (epoch_wait).
+  const Clock::duration finish_wait = std::max<Clock::duration>(o.train.step_timeout, std::chrono::minutes(10)) +
+                                      o.train.epoch_wait + std::chrono::minutes(1);
   while (true) {
     if (shutdown.requested()) {
       summary.interrupted = true;
@@ -385,6 +395,34 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     if (o.timeout.count() > 0 && Clock::now() - t_start > o.timeout) {
       summary.failure = fmt::format("the run did not finish within {:.0f} s", Seconds(o.timeout));
       event(summary.failure);
+      break;
+    }
+    reader.Poll(&records);
+    const uint64_t last = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
+    if (last > shown && !records.empty()) {
+      shown = last;
+      const Record& r = records.rbegin()->second;
+      const std::string text = fmt::format(
+          "step {:>{}}/{}  loss {:.4f}  tokens/s {:>6}  step {:6.1f} ms  comm {:6.1f} ms (exposed {:5.1f} ms)  "
+          "epoch {}  workers {}",
+          r.step, std::to_string(steps).size(), steps, r.loss,
+          Human(r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0), r.step_seconds * 1e3,
+          r.comm_seconds * 1e3, r.exposed_seconds * 1e3, r.epoch, r.world_size);
+      if (tty) {
+        print("\r" + text + "\033[K");
+        line_open = text;
+      } else if (r.step == 1 || r.step == steps || r.step % std::max<uint64_t>(1, steps / 20) == 0 ||
+                 (records.size() >= 2 && std::prev(records.end(), 2)->second.epoch != r.epoch)) {
+        print(text + "\n");
+      }
+    }
+    if (reader.finished()) {
+      // Rank 0 wrote the final parameters and the last checkpoint: nothing
+      // is left that stopping the cluster would cut short (a process ending
+      // now changes no result).
+      summary.completed = last >= steps;
+      if (!summary.completed) summary.failure = fmt::format("training finished after {} of {} steps", last, steps);
+      summary.checkpoint = reader.checkpoint();
       break;
     }
     // A process that ended on its own is a failure of the run.
@@ -401,25 +439,6 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     if (!summary.failure.empty()) {
       event("Failed: " + summary.failure);
       break;
-    }
-    reader.Poll(&records);
-    const uint64_t last = records.empty() ? 0 : records.rbegin()->first;
-    if (last > shown) {
-      shown = last;
-      const Record& r = records.rbegin()->second;
-      const std::string text = fmt::format(
-          "step {:>{}}/{}  loss {:.4f}  tokens/s {:>6}  step {:6.1f} ms  comm {:6.1f} ms (exposed {:5.1f} ms)  "
-          "epoch {}  workers {}",
-          r.step, std::to_string(steps).size(), steps, r.loss,
-          Human(r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0), r.step_seconds * 1e3,
-          r.comm_seconds * 1e3, r.exposed_seconds * 1e3, r.epoch, r.world_size);
-      if (tty) {
-        print("\r" + text + "\033[K");
-        line_open = text;
-      } else if (r.step == 1 || r.step == steps || r.step % std::max<uint64_t>(1, steps / 20) == 0 ||
-                 (records.size() >= 2 && std::prev(records.end(), 2)->second.epoch != r.epoch)) {
-        print(text + "\n");
-      }
     }
     if (o.kill_worker_at > 0 && !killed && last >= static_cast<uint64_t>(o.kill_worker_at)) {
       killed = true;
@@ -461,19 +480,19 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members.back().daemon.name,
                         node));
     }
-    if (reader.finished()) {
-      // Rank 0 wrote the final parameters and the last checkpoint: nothing
-      // is left that stopping the cluster would cut short.
-      summary.completed = last >= steps;
-      if (!summary.completed) summary.failure = fmt::format("training finished after {} of {} steps", last, steps);
-      summary.checkpoint = reader.checkpoint();
-      break;
-    }
     if (last >= steps && !done_since) {
       done_since = Clock::now();
     } else if (done_since && Clock::now() - *done_since > std::chrono::seconds(30) && !said_waiting) {
       said_waiting = true;
       event("All steps are done; waiting for rank 0 to write the final parameters and the last checkpoint ...");
+    }
+    if (done_since && Clock::now() - *done_since > finish_wait) {
+      // Longer than rank 0 waits for its last checkpoint and a new epoch.
+      summary.failure =
+          fmt::format("every step was reported, but rank 0 did not say training finished within {:.0f} s (see its log)",
+                      Seconds(finish_wait));
+      event("Failed: " + summary.failure);
+      break;
     }
     // While a kill or an added worker is due, look often: small models
     // train a step in a few milliseconds, and the event should come at the
@@ -537,7 +556,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
 
   // The summary.
   summary.elapsed_seconds = Seconds(Clock::now() - t_start);
-  summary.steps = records.empty() ? 0 : records.rbegin()->first;
+  summary.steps = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
   std::set<uint64_t> epochs;
   std::vector<double> step_s, compute_s;
   double tokens = 0, span_steps = 0, exposed = 0;

@@ -72,10 +72,19 @@ int RunCommand(int argc, char** argv) {
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
       "The summary has the keys steps, first_loss, last_loss, tokens_per_second, mode, world_size, epochs,\n"
       "faults, server_steps_applied, peak_rss_bytes (the largest worker's peak resident memory),\n"
-      "worker_peak_rss_bytes, peak_parameter_bytes, placement, tensor_parallel, and with --pp pipeline_stages,\n"
-      "pipeline_idle and analytic_bubble\n"
+      "worker_peak_rss_bytes, peak_parameter_bytes, placement, tensor_parallel, checkpoint (the last one), and\n"
+      "with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
       "(docs/training.md).");
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
+  // A membership change after the last step would race the end of the run.
+  for (const auto& [flag, at] :
+       {std::pair{"--kill-worker-at", o.kill_worker_at}, {"--add-worker-at", o.add_worker_at}}) {
+    if (at >= o.train.steps) {
+      fmt::print(stderr, "tandem run: {}: {} must be below --steps ({}): the change comes once that step is done\n",
+                 flag, at, o.train.steps);
+      return 2;
+    }
+  }
 
   auto summary = RunLocalTraining(o, shutdown);
   if (!summary.ok()) {

@@ -209,6 +209,7 @@ TEST(BenchCommandTest, OptimizerUpdatesExactlyWithOrWithoutTorch) {
       SCOPED_TRACE(line);
       EXPECT_EQ(Field(line, "wrong"), "0");
       EXPECT_EQ(Field(line, "optimizer"), "\"" + k.optimizer + "\"");
+      EXPECT_EQ(Field(line, "momentum"), k.optimizer != "sgd" ? "null" : k.bytes_per_param == 12 ? "0" : "0.9");
       const double params = i == 0 ? 1000 : 100003;
       EXPECT_EQ(Number(line, "params"), params);
       EXPECT_EQ(Number(line, "threads"), 2);
@@ -286,6 +287,7 @@ TEST(BenchCommandTest, ABadFlagIsNamedAndNothingRuns) {
   // be refused, not run as a 1Gi (28 GB) benchmark.
   for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
            {"--params 0", "--params: 0 must be 1 to 2^32 parameters"},
+           {"--momentum 0.5", "--momentum: applies to --optimizer sgd only (this is adamw)"},
            {"--params=-1", "--params: '-1' is not a count"},
            {"--params 1M,", "--params: empty item"},
            {"--params 5G", "--params: 5G must be 1 to 2^32 parameters"},

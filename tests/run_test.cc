@@ -114,6 +114,12 @@ TEST(TandemRunTest, BadFlagsExitWithStatus2) {
   const auto r = RunCommand({BinDir() + "/tandem", "run", "--servers", "-1"});
   EXPECT_EQ(r.exit.ToString(), "exit 2");
   EXPECT_NE(r.output.find("--servers: -1 is out of range: accepted 0..64"), std::string::npos) << r.output;
+  // A membership change is asked for after a step that is done: not after the last.
+  for (const std::string flag : {"--kill-worker-at", "--add-worker-at"}) {
+    const auto late = RunCommand({BinDir() + "/tandem", "run", "--steps", "10", flag, "10"});
+    EXPECT_EQ(late.exit.ToString(), "exit 2") << late.output;
+    EXPECT_NE(late.output.find(flag + ": 10 must be below --steps (10)"), std::string::npos) << late.output;
+  }
   const auto unknown = RunCommand({BinDir() + "/tandem", "frobnicate"});
   EXPECT_EQ(unknown.exit.ToString(), "exit 2");
   EXPECT_NE(unknown.output.find("unknown command 'frobnicate'"), std::string::npos);
