@@ -31,7 +31,7 @@ double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
-// Seconds since the Unix epoch, for the sample log.
+// Seconds since the Unix epoch, for the progress file and the sample log.
 double WallSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -824,8 +824,6 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
 }
 
 std::string ToJson(const StepRecord& r) {
-  const double unix_seconds =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   return fmt::format(
       "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
       "\"compute_seconds\":{:.6f},\"comm_seconds\":{:.6f},\"exposed_seconds\":{:.6f},\"world_size\":{},\"rank\":{},"
@@ -835,7 +833,7 @@ std::string ToJson(const StepRecord& r) {
       r.comm_seconds, r.exposed_seconds, r.world_size, r.rank, r.retries, r.resynced ? "true" : "false",
       r.parameter_bytes,
       r.pipeline_idle.empty() ? "" : fmt::format(",\"pipeline_idle\":[{:.4f}]", fmt::join(r.pipeline_idle, ",")),
-      unix_seconds);
+      WallSeconds());
 }
 
 Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
