@@ -47,6 +47,9 @@ int BenchOptimizerCommand(int argc, char** argv);
 int BenchPsCommand(int argc, char** argv);
 // tandem bench train: tokens/s of each training mode beside one process.
 int BenchTrainCommand(int argc, char** argv);
+// tandem bench torch: a PyTorch model trained by Tandem beside torch's
+// DistributedDataParallel (runs bench/torch_bench.py).
+int BenchTorchCommand(int argc, char** argv);
 // tandem bench model: the reference model's forward and backward on the CPU,
 // a GPU and PyTorch on that GPU.
 int BenchModelCommand(int argc, char** argv);

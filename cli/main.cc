@@ -28,6 +28,7 @@ Commands:
              'tandem bench optimizer' (the parameter server's optimizer update vs memory bandwidth and torch)
              'tandem bench ps' (parameter-server push and pull goodput vs ucx_perftest)
              'tandem bench train' (tokens/s of each training mode and the exposed communication);
+             'tandem bench torch' (a PyTorch model trained by Tandem vs DistributedDataParallel);
              'tandem bench model' (the model's forward and backward on the CPU, a GPU and PyTorch);
              'tandem bench pipeline' (idle fraction of pipeline stages vs the analytic bubble)
   checkpoint the parameter servers' checkpoints: 'tandem checkpoint save|restore' (every server of a job's
@@ -88,6 +89,7 @@ int main(int argc, char** argv) {
     }
     if (argc >= 3 && std::strcmp(argv[2], "ps") == 0) return tandem::cli::BenchPsCommand(argc - 2, argv + 2);
     if (argc >= 3 && std::strcmp(argv[2], "train") == 0) return tandem::cli::BenchTrainCommand(argc - 2, argv + 2);
+    if (argc >= 3 && std::strcmp(argv[2], "torch") == 0) return tandem::cli::BenchTorchCommand(argc - 2, argv + 2);
     if (argc >= 3 && std::strcmp(argv[2], "model") == 0) return tandem::cli::BenchModelCommand(argc - 2, argv + 2);
     if (argc >= 3 && std::strcmp(argv[2], "pipeline") == 0) {
       return tandem::cli::BenchPipelineCommand(argc - 2, argv + 2);
@@ -95,11 +97,9 @@ int main(int argc, char** argv) {
     for (const char* c : {"allreduce", "reducescatter", "allgather", "broadcast", "reduce", "sendrecv", "barrier"}) {
       if (argc >= 3 && std::strcmp(argv[2], c) == 0) return tandem::cli::BenchCollectiveCommand(c, argc - 2, argv + 2);
     }
-    fmt::print(
-        stderr,
-        "tandem bench: name a benchmark: coordinator, optimizer, ps, train, model, pipeline, allreduce, reducescatter, "
-        "allgather, "
-        "broadcast, reduce, sendrecv, barrier\n");
+    fmt::print(stderr,
+               "tandem bench: name a benchmark: coordinator, optimizer, ps, train, torch, model, pipeline, allreduce, "
+               "reducescatter, allgather, broadcast, reduce, sendrecv, barrier\n");
     return 2;
   }
   fmt::print(stderr, "tandem: unknown command '{}' (run tandem --help to list the commands)\n", command);

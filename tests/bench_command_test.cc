@@ -311,5 +311,65 @@ TEST(BenchCommandTest, ModelNamesTheGpuItCannotUse) {
   EXPECT_NE(r.output.find("model gpu: device 7"), std::string::npos) << r.output;
 }
 
+// bench torch is bench/torch_bench.py run by Python: --help names the script
+// and where it is looked up, a bad flag is the script's exit status 2, and a
+// Python that cannot run is named.
+TEST(BenchCommandTest, TorchNamesItsScriptAndRefusesBadFlags) {
+  const auto help = Tandem("bench torch --help", std::chrono::seconds(60));
+  ASSERT_TRUE(help.exit.success()) << help.output;
+  EXPECT_NE(help.output.find("bench/torch_bench.py --bin-dir " + BinDir()), std::string::npos) << help.output;
+  EXPECT_NE(help.output.find("looked up in the source tree"), std::string::npos) << help.output;
+  EXPECT_NE(help.output.find("--config"), std::string::npos) << help.output;  // the script's own help
+  for (const auto& [args, want] : std::vector<std::pair<std::string, std::string>>{
+           {"--modes hybrid,nope", "'nope' is not one of hybrid, allreduce, ps"},
+           {"--config huge", "huge"},
+           {"--steps 1", "--steps at least 2"}}) {
+    const auto r = Tandem("bench torch --dry-run " + args, std::chrono::seconds(60));
+    EXPECT_TRUE(r.exit.exited && r.exit.code == 2) << args << ": " << r.exit.ToString() << ": " << r.output;
+    EXPECT_NE(r.output.find(want), std::string::npos) << args << ": " << r.output;
+  }
+  const auto dry = Tandem("bench torch --dry-run --config default --modes ps", std::chrono::seconds(60));
+  ASSERT_TRUE(dry.exit.success()) << dry.output;
+  EXPECT_NE(dry.output.find(BinDir() + "/tandem run --script "), std::string::npos) << dry.output;
+  EXPECT_NE(dry.output.find("torch_ddp.py"), std::string::npos) << dry.output;
+  const auto no_python = Tandem("bench torch --python /nonexistent/python3 --dry-run", std::chrono::seconds(30));
+  EXPECT_TRUE(no_python.exit.exited && no_python.exit.code == 2) << no_python.output;
+  EXPECT_NE(no_python.output.find("cannot run /nonexistent/python3"), std::string::npos) << no_python.output;
+}
+
+// One short round of both sides (a tiny model, 3 steps, allreduce mode) when
+// /usr/bin/python3 has torch and the tandem package is built: the JSON row
+// has the keys docs/benchmarks.md reads. Timings are not checked.
+TEST(BenchCommandTest, TorchTrainsBothSidesAndPrintsTheRow) {
+  if (!RunCommand({"/bin/sh", "-c", "/usr/bin/python3 -c 'import torch' 2>/dev/null"}, std::chrono::seconds(60))
+           .exit.success() ||
+      !std::filesystem::exists(BinDir() + "/../python/tandem")) {
+    GTEST_SKIP() << "needs /usr/bin/python3 with torch and the tandem package (build/python/tandem)";
+  }
+  const auto r = Tandem(
+      "bench torch --json --config default --rounds 1 --steps 3 --modes allreduce -- --d-model 32 --layers 1 "
+      "--heads 2 --context 16",
+      std::chrono::seconds(300));
+  ASSERT_TRUE(r.exit.success()) << r.output;
+  const auto lines = JsonLines(r.output);
+  ASSERT_EQ(lines.size(), 1u) << r.output;
+  const std::string& row = lines[0];
+  EXPECT_EQ(Field(row, "config"), "\"default\"") << row;
+  EXPECT_EQ(Field(row, "model"), "\"gpt\"") << row;
+  EXPECT_EQ(Field(row, "mode"), "\"allreduce\"") << row;
+  EXPECT_EQ(Number(row, "workers"), 4) << row;
+  EXPECT_EQ(Number(row, "servers"), 0) << row;
+  EXPECT_EQ(Number(row, "rounds"), 1) << row;
+  EXPECT_GT(Number(row, "parameters"), 0) << row;
+  EXPECT_GT(Number(row, "tandem_tokens_per_second"), 0) << row;
+  EXPECT_GT(Number(row, "ddp_tokens_per_second"), 0) << row;
+  EXPECT_GT(Number(row, "ratio"), 0) << row;
+  const double exposed = Number(row, "exposed_comm_fraction");
+  EXPECT_TRUE(exposed >= 0 && exposed <= 1) << row;
+  EXPECT_NE(Field(row, "cpu"), "") << row;
+  // Both sides trained the same samples from the same weights.
+  EXPECT_NEAR(Number(row, "tandem_last_loss"), Number(row, "ddp_last_loss"), 1e-3) << row;
+}
+
 }  // namespace
 }  // namespace tandem
