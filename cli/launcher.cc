@@ -2,9 +2,11 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <string_view>
 #include <thread>
 
 #include <fmt/ranges.h>
@@ -39,6 +41,53 @@ std::string TailOfFile(const std::string& path, int lines) {
   return out;
 }
 
+LogTail TailOfLog(const std::string& path, int lines) {
+  // The last few thousand lines are plenty for a traceback and keep a long
+  // log's memory bounded.
+  constexpr size_t kKeep = 4000;
+  constexpr std::string_view kTraceback = "Traceback (most recent call last):";
+  std::ifstream in(path);
+  std::deque<std::string> all;
+  for (std::string line; std::getline(in, line);) {
+    all.push_back(std::move(line));
+    if (all.size() > kKeep) all.pop_front();
+  }
+  LogTail tail;
+  const auto quote = [&](size_t from, size_t to) {
+    for (size_t i = from; i < to; ++i) tail.text += "    | " + all[i] + "\n";
+  };
+  size_t start = all.size();
+  for (size_t i = all.size(); i-- > 0;) {
+    if (all[i].rfind(kTraceback, 0) == 0) {
+      start = i;
+      break;
+    }
+  }
+  if (start == all.size()) {  // no traceback
+    quote(all.size() - std::min(all.size(), static_cast<size_t>(std::max(lines, 0))), all.size());
+    return tail;
+  }
+  // The exception line is the first one after the indented frames.
+  size_t exception = start + 1;
+  while (exception < all.size() && (all[exception].empty() || all[exception][0] == ' ')) ++exception;
+  if (exception < all.size()) tail.exception = all[exception];
+  // A deep stack is cut in the middle: its innermost frames stay.
+  constexpr size_t kFrames = 40;
+  const size_t end = std::min(all.size(), exception + 6);
+  if (exception > start + kFrames) {
+    quote(start, start + 1);
+    tail.text += "    | ...\n";
+    quote(exception - kFrames, end);
+  } else {
+    quote(start, end);
+  }
+  return tail;
+}
+
+std::string DescribeExit(const ExitInfo& exit) {
+  return exit.exited ? fmt::format("exited with status {}", exit.code) : "was " + exit.ToString();
+}
+
 std::string ExecutableDir() {
   std::error_code ec;
   const auto exe = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -54,11 +103,18 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
   // host:0, an IPv6 host in brackets.
   const std::string any_port =
       (spec.listen_host.find(':') != std::string::npos ? "[" + spec.listen_host + "]" : spec.listen_host) + ":0";
+  std::vector<std::string> flags = {"--name", spec.name,      "--listen-address", any_port, "--metrics-address",
+                                    any_port, "--ready-file", ready_file};
+  flags.insert(flags.end(), spec.args.begin(), spec.args.end());
   SpawnOptions options;
   options.argv = spec.exec_prefix;
-  options.argv.insert(options.argv.end(), {spec.binary, "--name", spec.name, "--listen-address", any_port,
-                                           "--metrics-address", any_port, "--ready-file", ready_file});
-  options.argv.insert(options.argv.end(), spec.args.begin(), spec.args.end());
+  if (spec.command) {
+    const std::vector<std::string> command = spec.command(flags);
+    options.argv.insert(options.argv.end(), command.begin(), command.end());
+  } else {
+    options.argv.push_back(spec.binary);
+    options.argv.insert(options.argv.end(), flags.begin(), flags.end());
+  }
   options.output_file = d.log_file;
   TANDEM_ASSIGN_OR_RETURN(d.process, Subprocess::Spawn(options));
 
@@ -79,8 +135,10 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
     }
     if (!d.process->Running()) {
       auto exit = d.process->Wait(std::chrono::milliseconds(0));
-      return Unavailable("{} exited during start-up ({}); the end of {}:\n{}", spec.name,
-                         exit.ok() ? exit->ToString() : "unknown", d.log_file, TailOfFile(d.log_file, 15));
+      const LogTail tail = TailOfLog(d.log_file, 15);
+      return Unavailable("{} {} during start-up{}; the end of {}:\n{}", spec.name,
+                         exit.ok() ? DescribeExit(*exit) : "ended", tail.exception.empty() ? "" : ": " + tail.exception,
+                         d.log_file, tail.text);
     }
     if (std::chrono::steady_clock::now() > deadline) {
       return DeadlineExceeded("{} did not start serving within {} ms; the end of {}:\n{}", spec.name,

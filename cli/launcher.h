@@ -9,6 +9,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +43,11 @@ struct LaunchSpec {
   // "exec", "tnd1234n0"}; it must exec the daemon in the same process (the
   // PID must be the daemon's: Launch checks the ready file's against it).
   std::vector<std::string> exec_prefix;
+  // The command line that runs the daemon given its flags (--name,
+  // --listen-address, --metrics-address, --ready-file, then `args`); unset:
+  // `binary` followed by them. A Python script takes its flags from its
+  // environment instead (cli/script_workers.h). It must exec the daemon too.
+  std::function<std::vector<std::string>(const std::vector<std::string>& flags)> command;
 };
 
 struct LaunchedDaemon {
@@ -51,13 +57,27 @@ struct LaunchedDaemon {
   ReadyInfo ready;
 };
 
-// Starts exec_prefix + binary + flags + args, the daemon listening on
-// listen_host port 0 for gRPC and metrics, and waits for its ready file. If it
-// exits or times out first, the error quotes the end of its log.
+// Starts exec_prefix + binary + flags + args (or exec_prefix + command(flags
+// + args)), the daemon listening on listen_host port 0 for gRPC and metrics,
+// and waits for its ready file. If it exits or times out first, the error
+// quotes the end of its log (a Python traceback in it).
 Result<LaunchedDaemon> Launch(const LaunchSpec& spec);
 
 // The last `lines` lines of a file (for error messages).
 std::string TailOfFile(const std::string& path, int lines);
+
+// The end of a process's log for an error message: its last `lines` lines,
+// or, when it holds a Python traceback, the last traceback (up to its
+// exception line and a few lines after it), whose exception line ("ValueError:
+// bad value") is `exception`.
+struct LogTail {
+  std::string text;       // lines prefixed with "    | ", each ending in a newline
+  std::string exception;  // empty without a traceback
+};
+LogTail TailOfLog(const std::string& path, int lines);
+
+// "exited with status 1", "was killed by SIGKILL".
+std::string DescribeExit(const ExitInfo& exit);
 
 // The directory holding the running executable (where the daemons are installed next to `tandem`).
 std::string ExecutableDir();

@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
+#include <regex>
 #include <set>
 #include <thread>
 
@@ -17,6 +19,7 @@
 #include "cli/commands.h"
 #include "cli/launcher.h"
 #include "cli/node_network.h"
+#include "cli/script_workers.h"
 #include "common/cpus.h"
 #include "common/grpc_util.h"
 #include "common/logging.h"
@@ -148,36 +151,16 @@ struct Member {
   bool exited = false;
 };
 
-}  // namespace
+// The model the job trains: its size for the coordinator's shard map, and a
+// few words for the first line.
+struct JobModel {
+  uint64_t parameters = 0;         // the model's
+  uint64_t server_parameters = 0;  // what the servers hold (the job's parameter count)
+  std::string description;
+};
 
-Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
-  RunSummary summary;
-  summary.mode = o.train.mode;
-  summary.placement = o.train.placement;
-  summary.tensor_parallel = static_cast<uint32_t>(o.tp);
-  const auto print = [&o](const std::string& text) {
-    if (o.progress) {
-      fmt::print("{}", text);
-      std::fflush(stdout);
-    }
-  };
-  const int64_t workers = o.nodes * o.workers_per_node;
-  if (workers < 1) return InvalidArgument("--nodes and --workers-per-node must give at least one worker");
-  if (o.kill_worker_at > 0 && workers + (o.add_worker_at > 0 ? 1 : 0) < 2) {
-    return InvalidArgument("--kill-worker-at needs at least two workers, so that one survives");
-  }
-  if (o.kill_worker_at > 0 && workers / std::max<int64_t>(1, o.tp * o.pp) < 2) {
-    return InvalidArgument(
-        "--kill-worker-at with --tp {} --pp {}: the {} workers form one tp x pp slice, so the survivors could not "
-        "form the mesh; give at least {} workers",
-        o.tp, o.pp, workers, 2 * o.tp * o.pp);
-  }
-  const bool servers_needed = o.train.mode != "allreduce";
-  if (servers_needed && o.servers < 1) {
-    return InvalidArgument("--mode {} needs parameter servers (--servers >= 1); --mode allreduce runs without",
-                           o.train.mode);
-  }
-  const int64_t servers = servers_needed ? o.servers : 0;
+// The reference model, after checking that its split over tp x pp fits the workers.
+Result<JobModel> ReferenceModel(const ClusterOptions& o, int64_t workers) {
   auto model_config = worker::ModelConfigOf(o.train);
   if (!model_config.ok()) return model_config.status();
   if (o.tp > 1) {
@@ -214,15 +197,112 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     staged.pipeline_stages = static_cast<int>(o.pp);
     TANDEM_RETURN_IF_ERROR(staged.Validate().WithContext(fmt::format("--pp {}", o.pp)));
   }
-  TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
-  uint64_t parameters = 0;
-  for (const auto& t : model::TensorLayout(*model_config)) parameters += t.size;
+  JobModel model;
+  for (const auto& t : model::TensorLayout(*model_config)) model.parameters += t.size;
   // The servers hold every part of the split: with tensor parallelism each
   // rank's copy of the replicated tensors too.
   model::ModelConfig split = *model_config;
   split.pipeline_stages = static_cast<int>(o.pp);
   split.tensor_parallel = static_cast<int>(o.tp);
-  const uint64_t server_parameters = model::PartBounds(split).back();
+  model.server_parameters = model::PartBounds(split).back();
+  model.description = fmt::format("a {:.2f}M-parameter model ({})", model.parameters / 1e6,
+                                  o.train.data.empty() ? "built-in corpus" : o.train.data);
+  return model;
+}
+
+// The flags `tandem run` gives a worker besides the launcher's own (--name,
+// the addresses, --ready-file, --log-level): a tandem-worker's command line,
+// a script's TANDEM_WORKER_FLAGS. No --coordinator-address when empty.
+std::vector<std::string> WorkerArgs(const ClusterOptions& o, const std::string& coordinator, int node, bool loopback,
+                                    const std::string& cpus, const worker::TrainConfig& train) {
+  std::vector<std::string> args;
+  if (!coordinator.empty()) args.insert(args.end(), {"--coordinator-address", coordinator});
+  args.insert(args.end(), {"--node-id", fmt::format("node-{}", node), "--data-plane-backend", o.backend});
+  if (loopback) args.insert(args.end(), {"--data-plane-ucx-net-devices", kLoopbackDevice});
+  if (!cpus.empty()) args.insert(args.end(), {"--cpus", cpus});
+  for (auto& f : worker::TrainFlags(train)) args.push_back(f);
+  return args;
+}
+
+// Only the script knows its model: it says in describe mode, run with the
+// flags of worker 0 on loopback (no cluster is up yet). CANCELLED on Ctrl-C.
+Result<JobModel> ScriptModelOf(const ClusterOptions& o, const worker::TrainConfig& train, const std::string& cpus,
+                               const std::string& work_dir, ShutdownSignal& shutdown) {
+  std::vector<std::string> flags = {"--name",      "describe",          "--listen-address",
+                                    "127.0.0.1:0", "--metrics-address", "127.0.0.1:0"};
+  for (auto& f : WorkerArgs(o, "", 0, /*loopback=*/true, cpus, train)) flags.push_back(f);
+  flags.insert(flags.end(), {"--log-level", o.log_level});
+  TANDEM_ASSIGN_OR_RETURN(const ScriptModel described, DescribeScript(o.script, o.bin_dir, flags, work_dir, shutdown));
+  JobModel model;
+  model.parameters = model.server_parameters = described.parameters;
+  model.description = fmt::format("{} ({:.2f}M parameters in {} tensors{})", o.script.file, described.parameters / 1e6,
+                                  described.tensors, o.train.data.empty() ? "" : ", data " + o.train.data);
+  return model;
+}
+
+// The rank a worker's log last reported ("epoch 3: rank 1 of 4 (node 0, ...").
+std::optional<uint32_t> LastRankInLog(const std::string& path) {
+  static const std::regex kRank(R"(epoch \d+: rank (\d+) of \d+)");
+  std::ifstream in(path);
+  std::optional<uint32_t> rank;
+  std::smatch m;
+  for (std::string line; std::getline(in, line);) {
+    if (std::regex_search(line, m, kRank)) rank = static_cast<uint32_t>(std::stoul(m[1].str()));
+  }
+  return rank;
+}
+
+// Why the run fails when a process ended on its own: "worker-1 (rank 1)
+// exited with status 1: ValueError: ...; the end of LOG:" and the end of its
+// log (a script's traceback).
+std::string EndedMessage(const Member& m, const Result<ExitInfo>& exit) {
+  std::string who = m.daemon.name;
+  if (m.worker) {
+    if (auto rank = LastRankInLog(m.daemon.log_file)) who += fmt::format(" (rank {})", *rank);
+  }
+  const LogTail tail = TailOfLog(m.daemon.log_file, 15);
+  return fmt::format("{} {}{}; the end of {}:\n{}", who, exit.ok() ? DescribeExit(*exit) : "ended",
+                     tail.exception.empty() ? "" : ": " + tail.exception, m.daemon.log_file, tail.text);
+}
+
+}  // namespace
+
+Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
+  RunSummary summary;
+  summary.mode = o.train.mode;
+  summary.placement = o.train.placement;
+  summary.tensor_parallel = static_cast<uint32_t>(o.tp);
+  const auto print = [&o](const std::string& text) {
+    if (o.progress) {
+      fmt::print("{}", text);
+      std::fflush(stdout);
+    }
+  };
+  const int64_t workers = o.nodes * o.workers_per_node;
+  if (workers < 1) return InvalidArgument("--nodes and --workers-per-node must give at least one worker");
+  if (o.kill_worker_at > 0 && workers + (o.add_worker_at > 0 ? 1 : 0) < 2) {
+    return InvalidArgument("--kill-worker-at needs at least two workers, so that one survives");
+  }
+  if (o.kill_worker_at > 0 && workers / std::max<int64_t>(1, o.tp * o.pp) < 2) {
+    return InvalidArgument(
+        "--kill-worker-at with --tp {} --pp {}: the {} workers form one tp x pp slice, so the survivors could not "
+        "form the mesh; give at least {} workers",
+        o.tp, o.pp, workers, 2 * o.tp * o.pp);
+  }
+  const bool servers_needed = o.train.mode != "allreduce";
+  if (servers_needed && o.servers < 1) {
+    return InvalidArgument("--mode {} needs parameter servers (--servers >= 1); --mode allreduce runs without",
+                           o.train.mode);
+  }
+  const int64_t servers = servers_needed ? o.servers : 0;
+  const bool script = !o.script.file.empty();
+  JobModel model;
+  if (script) {
+    TANDEM_RETURN_IF_ERROR(CheckScriptFiles(o.script));
+  } else {
+    TANDEM_ASSIGN_OR_RETURN(model, ReferenceModel(o, workers));
+  }
+  TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
   if (!o.train.data.empty() && access(o.train.data.c_str(), R_OK) != 0) {
     return InvalidArgument("--data: cannot read '{}': {}", o.train.data, std::strerror(errno));
   }
@@ -240,22 +320,44 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     if (ec) return InvalidArgument("work_dir: cannot create '{}': {}", work_dir, ec.message());
   }
   summary.work_dir = work_dir;
+  worker::TrainConfig train = o.train;
+  train.progress_file = work_dir + "/progress.jsonl";
+  train.params_out = work_dir + "/params.bin";
+  if (!o.train.data.empty()) train.data = std::filesystem::absolute(o.train.data).string();
+  // With o.bind, worker i runs on its share of the CPUs (an added worker
+  // shares those of worker i modulo the starting count).
+  const std::vector<int> cpus = o.bind ? AllowedCpus() : std::vector<int>{};
+  const auto cpus_of = [&](int index) {
+    return cpus.empty() ? std::string() : FormatCpuList(ShareOfCpus(cpus, index, static_cast<int>(workers)));
+  };
+  if (script) {
+    print(fmt::format("Running {} once to learn its model's size (describe mode) ...\n", o.script.file));
+    auto described = ScriptModelOf(o, train, cpus_of(0), work_dir, shutdown);
+    if (described.status().code() == StatusCode::kCancelled) {
+      summary.interrupted = true;
+      summary.failure = "interrupted";
+      return summary;
+    }
+    TANDEM_ASSIGN_OR_RETURN(model, std::move(described));
+  }
+  std::remove(train.progress_file.c_str());
+  std::remove(train.params_out.c_str());
   auto network = NodeNetwork::Create(static_cast<int>(o.nodes), o.network);
   if (!network.ok()) return network.status();
   summary.network = (*network)->namespaces() ? "netns" : "loopback";
 
   const auto t_start = Clock::now();
-  print(
-      fmt::format("Tandem: {} mode, {} node(s) x {} worker(s), {} server(s), {} steps of a {:.2f}M-parameter model "
-                  "({})\n  network: {}\n  logs: {}\n",
-                  o.train.mode, o.nodes, o.workers_per_node, servers, o.train.steps, parameters / 1e6,
-                  o.train.data.empty() ? "built-in corpus" : o.train.data, (*network)->Describe(), work_dir));
+  print(fmt::format(
+      "Tandem: {} mode, {} node(s) x {} worker(s), {} server(s), {} steps of {}\n  network: {}\n  logs: {}\n",
+      o.train.mode, o.nodes, o.workers_per_node, servers, o.train.steps, model.description, (*network)->Describe(),
+      work_dir));
 
   std::vector<Member> members;
   const auto launch = [&](const std::string& binary, const std::string& name, int node, bool is_worker,
-                          std::vector<std::string> args) -> Status {
+                          std::vector<std::string> args, decltype(LaunchSpec::command) command = nullptr) -> Status {
     LaunchSpec spec;
     spec.binary = o.bin_dir + "/" + binary;
+    spec.command = std::move(command);
     spec.name = name;
     spec.args = std::move(args);
     spec.args.insert(spec.args.end(), {"--log-level", o.log_level});
@@ -313,7 +415,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
                           "--job-last-call-window",
                           "0s",
                           "--job-parameter-count",
-                          std::to_string(servers > 0 ? server_parameters : 0),
+                          std::to_string(servers > 0 ? model.server_parameters : 0),
                           "--job-partition-size",
                           std::to_string(o.partition_bytes),
                           "--job-heartbeat-interval",
@@ -331,26 +433,15 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     if (!(*network)->namespaces()) args.insert(args.end(), {"--server-ucx-net-devices", kLoopbackDevice});
     status = launch("tandem-server", fmt::format("server-{}", i), node, false, std::move(args));
   }
-  worker::TrainConfig train = o.train;
-  train.progress_file = work_dir + "/progress.jsonl";
-  train.params_out = work_dir + "/params.bin";
-  if (!o.train.data.empty()) train.data = std::filesystem::absolute(o.train.data).string();
-  std::remove(train.progress_file.c_str());
-  std::remove(train.params_out.c_str());
   int next_worker = 0;
-  // With o.bind, worker i runs on its share of the CPUs (an added worker
-  // shares those of worker i modulo the starting count).
-  const std::vector<int> cpus = o.bind ? AllowedCpus() : std::vector<int>{};
   const auto launch_worker = [&](int node) {
-    std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node),
-                                     "--data-plane-backend",  o.backend};
-    if (!(*network)->namespaces()) args.insert(args.end(), {"--data-plane-ucx-net-devices", kLoopbackDevice});
-    if (!cpus.empty()) {
-      args.push_back("--cpus");
-      args.push_back(FormatCpuList(ShareOfCpus(cpus, next_worker, static_cast<int>(workers))));
-    }
-    for (auto& f : worker::TrainFlags(train)) args.push_back(f);
-    return launch("tandem-worker", fmt::format("worker-{}", next_worker++), node, true, std::move(args));
+    std::vector<std::string> args =
+        WorkerArgs(o, coordinator, node, !(*network)->namespaces(), cpus_of(next_worker), train);
+    const std::string name = fmt::format("worker-{}", next_worker++);
+    if (!script) return launch("tandem-worker", name, node, true, std::move(args));
+    // The script takes the flags in its environment.
+    return launch("", name, node, true, std::move(args),
+                  [&o](const std::vector<std::string>& flags) { return ScriptCommand(o.script, o.bin_dir, flags); });
   };
   for (int64_t i = 0; status.ok() && i < workers && !shutdown.requested(); ++i) {
     status = launch_worker(static_cast<int>(i / o.workers_per_node));
@@ -425,15 +516,14 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       summary.checkpoint = reader.checkpoint();
       break;
     }
-    // A process that ended on its own is a failure of the run.
+    // A process that ended on its own is a failure of the run (the first
+    // one found is named: the others may have ended because of it).
     for (auto& m : members) {
       if (m.exited || m.killed) continue;
       if (!m.daemon.process->Running()) {
         m.exited = true;
-        auto exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
-        summary.failure =
-            fmt::format("{} ended ({}); the end of {}:\n{}", m.daemon.name, exit.ok() ? exit->ToString() : "ended",
-                        m.daemon.log_file, TailOfFile(m.daemon.log_file, 15));
+        const std::string ended = EndedMessage(m, m.daemon.process->Wait(std::chrono::milliseconds(0)));
+        if (summary.failure.empty()) summary.failure = ended;
       }
     }
     if (!summary.failure.empty()) {

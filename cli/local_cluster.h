@@ -4,11 +4,11 @@
 // RunLocalTraining starts a coordinator, the parameter servers and the
 // workers over K simulated nodes (network namespaces joined by a bridge when
 // run as root, loopback otherwise: cli/node_network.h), has the workers train
-// the reference model, follows their progress (the JSON lines global rank 0
-// appends, one per step), injects the faults asked for (SIGKILL a worker at a
-// step, start one more at a step), and stops everything with SIGTERM once
-// the last step is done, on Ctrl-C, or when a process fails. It then asks
-// every server how many updates it applied.
+// the reference model or a user's PyTorch script, follows their progress
+// (the JSON lines global rank 0 appends, one per step), injects the faults
+// asked for (SIGKILL a worker at a step, start one more at a step), and stops
+// everything with SIGTERM once the last step is done, on Ctrl-C, or when a
+// process fails. It then asks every server how many updates it applied.
 //
 // Thread safety: one run at a time per process.
 #pragma once
@@ -27,6 +27,16 @@
 #include "worker/runtime/trainer.h"
 
 namespace tandem::cli {
+
+// A user's PyTorch script trains instead of the reference model: each
+// worker runs it (cli/script_workers.h has the contract with the `tandem`
+// Python package).
+struct ScriptOptions {
+  std::string file;               // empty: tandem-worker trains the reference model
+  std::vector<std::string> args;  // its arguments (what follows `--` on tandem run's command line)
+  std::string python = "/usr/bin/python3";
+  std::chrono::milliseconds describe_timeout{120000};  // the run that learns its parameter count
+};
 
 struct ClusterOptions {
   int64_t nodes = 2;
@@ -48,6 +58,7 @@ struct ClusterOptions {
   bool progress = true;                  // print the live progress line and events
   bool hold = false;                     // after the last step, keep the cluster up until Ctrl-C / SIGTERM
   bool bind = true;                      // pin each worker to its own share of this machine's CPUs
+  ScriptOptions script;                  // script.file set: the workers run this script
 };
 
 struct RunSummary {

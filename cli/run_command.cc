@@ -1,13 +1,14 @@
 // tandem run: the main job. Starts a coordinator, parameter servers and
 // workers over simulated nodes on this machine, trains the reference model
-// with a live progress line, and stops everything cleanly at the end, on
-// Ctrl-C or on a failure (cli/local_cluster.h). --summary writes the result
-// as JSON.
+// (or, with --script, a user's PyTorch script: cli/script_workers.h) with a
+// live progress line, and stops everything cleanly at the end, on Ctrl-C or
+// on a failure (cli/local_cluster.h). --summary writes the result as JSON.
 #include <fstream>
 
 #include "cli/commands.h"
 #include "cli/launcher.h"
 #include "cli/local_cluster.h"
+#include "cli/script_workers.h"
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/shutdown.h"
@@ -21,8 +22,8 @@ int RunCommand(int argc, char** argv) {
   o.train.steps = 50;
   std::string summary_file;
   OptionSet options("tandem run",
-                    "train the reference model on a local Tandem cluster (coordinator, servers, workers over "
-                    "simulated nodes)");
+                    "train the reference model, or a PyTorch script, on a local Tandem cluster (coordinator, servers, "
+                    "workers over simulated nodes)");
   options.EnableConfigFile();
   options.Int("nodes", &o.nodes, "simulated nodes", 1, 253);
   options.Int("workers_per_node", &o.workers_per_node, "workers on each node", 1, 64);
@@ -67,6 +68,13 @@ int RunCommand(int argc, char** argv) {
   options.Duration("timeout", &o.timeout, "give up when the whole run takes longer (0s: never)",
                    std::chrono::milliseconds(0), std::chrono::hours(24 * 365));
   options.Choice("log.level", &o.log_level, LogLevels(), "log level of the started processes");
+  options.String("script", &o.script.file,
+                 "train this PyTorch script instead of the reference model: every worker runs it (data parallelism "
+                 "through the tandem Python package; arguments after -- go to it)");
+  options.String("python", &o.script.python, "the Python that runs --script (one whose torch imports)");
+  options.Duration("describe_timeout", &o.script.describe_timeout,
+                   "how long --script may take to create its tandem.torch.DistributedOptimizer in describe mode",
+                   std::chrono::milliseconds(1000), std::chrono::hours(24));
   worker::DeclareTrainOptions(options, &o.train, /*job_keys=*/false);
   options.SetEpilog(
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
@@ -74,8 +82,26 @@ int RunCommand(int argc, char** argv) {
       "faults, server_steps_applied, peak_rss_bytes (the largest worker's peak resident memory),\n"
       "worker_peak_rss_bytes, peak_parameter_bytes, placement, tensor_parallel, checkpoint (the last one), and\n"
       "with --pp pipeline_stages, pipeline_idle and analytic_bubble\n"
-      "(docs/training.md).");
-  if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
+      "(docs/training.md).\n"
+      "\n"
+      "tandem run --script FILE.py [flags] [-- ARGS...] trains a PyTorch script: each worker is\n"
+      "`PYTHON -u FILE.py ARGS...` (--python, default /usr/bin/python3), everything after -- being the\n"
+      "script's argv; the script joins the cluster with tandem.torch.init() and trains data-parallel with\n"
+      "tandem.torch.DistributedOptimizer. It runs once first in describe mode to learn its parameter count.\n"
+      "--steps, --mode, --data, --seed and the train.* flags reach it (TANDEM_WORKER_FLAGS); --tp, --pp,\n"
+      "--placement sharded and the reference model's options (train.context, d_model, heads, layers,\n"
+      "activation_checkpointing, pipeline_schedule) are refused (docs/pytorch.md).");
+  // What follows "--" is the script's: it is not parsed (not even --help).
+  std::vector<std::string> args(argv, argv + argc);
+  const SplitCommandLine split = SplitAtSeparator(args);
+  std::vector<char*> launcher_argv;
+  for (const auto& a : split.launcher) launcher_argv.push_back(const_cast<char*>(a.c_str()));
+  if (int rc = ParseOrExit(options, static_cast<int>(launcher_argv.size()), launcher_argv.data()); rc >= 0) return rc;
+  o.script.args = split.script;
+  if (Status s = CheckScriptOptions(o, split.launcher, split.separator); !s.ok()) {
+    fmt::print(stderr, "tandem run: {}\n", s.message());
+    return 2;
+  }
   // A membership change after the last step would race the end of the run.
   for (const auto& [flag, at] :
        {std::pair{"--kill-worker-at", o.kill_worker_at}, {"--add-worker-at", o.add_worker_at}}) {
