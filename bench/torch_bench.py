@@ -74,6 +74,7 @@ ROW_KEYS = (
     "tandem_runs",
     "ddp_runs",
     "failures",
+    "ddp_bucket_cap_mb",
     "steps",
     "rounds",
     "cpu",
@@ -112,6 +113,8 @@ def parse_args(argv):
     p.add_argument("--network", default="loopback", choices=("auto", "netns", "loopback"),
                    help="tandem run --network (default loopback, as gloo's DDP runs on loopback)")
     p.add_argument("--bind", type=int, default=1, choices=(0, 1), help="pin ranks to their share of the CPUs (default 1)")
+    p.add_argument("--ddp-bucket-mb", type=float, default=25,
+                   help="DistributedDataParallel's bucket_cap_mb (default 25, torch's default)")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run may take (default 900)")
     p.add_argument("--json", action="store_true", help="one JSON object per config and mode instead of the table")
     p.add_argument("--dry-run", action="store_true", help="print the commands of one round and exit")
@@ -152,6 +155,8 @@ def ddp_command(args, config):
         str(args.bind),
         "--timeout",
         str(args.timeout),
+        "--bucket-cap-mb",
+        f"{args.ddp_bucket_mb:g}",
         "--",
     ] + example_args(args, config)
 
@@ -294,6 +299,7 @@ def make_rows(config, args, ddp_runs, tandem_runs, failures, cpu):
             "tandem_runs": [s["tokens_per_second"] for s in runs],
             "ddp_runs": [r["tokens_per_second"] for r in ddp_runs],
             "failures": failures.get(mode, 0) + failures.get("ddp", 0),
+            "ddp_bucket_cap_mb": args.ddp_bucket_mb,
             "steps": args.steps,
             "rounds": args.rounds,
             "cpu": cpu,
@@ -319,7 +325,8 @@ def table_header(args, config, cpu):
         f"# tandem bench torch: config {config} ({CONFIGS[config][4]}, global batch {global_batch(args, config)}"
         + (f", plus {' '.join(args.extra)}" if args.extra else "")
         + f"); {args.nodes} node(s) x {args.workers_per_node} worker(s), {args.servers} server(s), {args.steps} steps, "
-        f"median of {args.rounds} round(s); CPU {cpu}, {len(os.sched_getaffinity(0))} CPUs\n"
+        f"median of {args.rounds} round(s); DDP buckets {args.ddp_bucket_mb:g} MiB; CPU {cpu}, "
+        f"{len(os.sched_getaffinity(0))} CPUs\n"
         "# tokens/s over steps 2..N on both sides; 'exposed' is the share of Tandem's step time spent waiting for "
         "communication; step and compute (forward + backward) ms are Tandem's medians, DDP ms DDP's median step\n"
         f"{'mode':<10} {'params':>7} {'workers':>7} {'servers':>7} {'tandem tok/s':>12} {'DDP tok/s':>10} "

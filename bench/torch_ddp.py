@@ -6,7 +6,9 @@ make_optimizer, Data and loss_fn) with torch's own DistributedDataParallel
 over the gloo backend, exactly as Tandem trains it: the same global batch
 split contiguously over the ranks (global samples [(s-1)*B, s*B) in step s),
 the same seed, optimizer, gradient clipping, learning-rate warmup and
-micro-batches (DDP's no_sync for all but the last), fp32 gradients.
+micro-batches (DDP's no_sync for all but the last), fp32 gradients. DDP runs
+with its defaults (25 MiB buckets: --bucket-cap-mb) but for
+broadcast_buffers=False: the models' only buffer is a constant mask.
 
     /usr/bin/python3 bench/torch_ddp.py --example examples/torch/gpt.py --nprocs 4 -- --steps 40 --d-model 64
 
@@ -91,7 +93,7 @@ def worker(opts, example_args):
     model = ex.build_model(args)
     # The models' only buffers are constants (the causal mask): no need to
     # broadcast them before every forward.
-    ddp = DDP(model, broadcast_buffers=False)
+    ddp = DDP(model, broadcast_buffers=False, bucket_cap_mb=opts.bucket_cap_mb)
     opt = ex.make_optimizer(model, args)
     warmup = getattr(ex, "warmup_lambda", None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, warmup(args)) if warmup else None
@@ -167,7 +169,8 @@ def launch(opts, example_args):
                 OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"),
             )
             cpus = share_of_cpus(allowed, rank, opts.nprocs) if opts.bind else []
-            cmd = [sys.executable, os.path.abspath(__file__), "--example", opts.example, "--result", result, "--"]
+            cmd = [sys.executable, os.path.abspath(__file__), "--example", opts.example, "--result", result,
+                   "--bucket-cap-mb", str(opts.bucket_cap_mb), "--"]
             log = open(os.path.join(tmp, f"rank-{rank}.log"), "w+")
             procs.append(
                 (
@@ -233,6 +236,8 @@ def main(argv=None):
     p.add_argument("--workers-per-node", type=int, default=2, help="ranks per simulated node, for LOCAL_RANK (default 2)")
     p.add_argument("--master-port", type=int, default=0, help="rendezvous port (default: a free one)")
     p.add_argument("--bind", type=int, default=1, choices=(0, 1), help="pin each rank to its share of the CPUs (default 1)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25,
+                   help="DistributedDataParallel's gradient bucket size in MiB (default 25, torch's default)")
     p.add_argument("--timeout", type=float, default=900, help="seconds before giving up (default 900)")
     p.add_argument("--result", help=argparse.SUPPRESS)  # set for the ranks
     opts = p.parse_args(argv)
