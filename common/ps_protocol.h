@@ -13,9 +13,19 @@
 //   kPush        worker -> primary. Gradient of `partition` for `step`,
 //                computed in `epoch`, as payload_bytes of `dtype` (one
 //                element per partition element). `contributor` of
-//                `contributors` (pushes a step needs). Reply: kPushReply,
-//                status OK; `flags` kFlagDuplicate when the push was already
-//                counted or the step already applied (the push is ignored).
+//                `contributors` (pushes a step needs). `value` is the step's
+//                learning rate: 0 means the configured schedule's (the
+//                optimizer's LrSchedule at the partition's update count);
+//                > 0 (finite) is the job-wide rule's learning rate for this
+//                step, replacing the scheduled one (a group's lr_scale still
+//                multiplies it). Negative, NaN or Inf is refused with
+//                INVALID_ARGUMENT. In sync mode every push of a step (every
+//                contributor, a retry in a later epoch too) must carry the
+//                same value, else it is refused with INVALID_ARGUMENT and
+//                changes nothing; in the asynchronous modes each push is
+//                applied with its own. Reply: kPushReply, status OK; `flags`
+//                kFlagDuplicate when the push was already counted or the
+//                step already applied (the push is ignored).
 //   kPull        worker -> primary. Parameters of `partition` once its step is
 //                >= `step` (0: now), as `dtype` (FP32 or BF16). In the
 //                asynchronous modes, with `contributors` set, `contributor`
@@ -32,7 +42,13 @@
 //                gradient (fp32, payload) and the grad scale (`value`) the
 //                primary applied, with flags kFlagSkip when the step was
 //                skipped (no payload). `step` is the step, `version` the
-//                version before the update. Reply: kReplicaReply.
+//                version before the update. The learning rate the primary
+//                applied (its pushes' `value`: 0 for the schedule's) is in
+//                the 64 bits of `contributor` (low half) and `contributors`
+//                (high half), which a kReplica frame has no other use for:
+//                SetReplicaLearningRate, ReplicaLearningRate. (A primary
+//                that leaves them 0 means the schedule's.) Reply:
+//                kReplicaReply.
 //   kTransfer    primary -> new backup. The whole state of `partition`:
 //                payload is weights, then state0, then state1 (fp32 each, as
 //                many buffers as the optimizer keeps, `contributors` says
@@ -48,6 +64,7 @@
 #pragma once
 
 #include <bit>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -100,6 +117,19 @@ struct Frame {
   uint32_t reserved1 = 0;
 };
 static_assert(sizeof(Frame) == 80, "Frame is 80 bytes on the wire");
+static_assert(offsetof(Frame, contributor) == 48 && offsetof(Frame, contributors) == 52 && offsetof(Frame, value) == 56,
+              "the wire layout of Frame");
+
+// A kReplica frame's learning rate (see kReplica above): the double's bits,
+// low half in `contributor`, high half in `contributors`.
+inline void SetReplicaLearningRate(Frame& frame, double lr) {
+  const auto bits = std::bit_cast<uint64_t>(lr);
+  frame.contributor = static_cast<uint32_t>(bits);
+  frame.contributors = static_cast<uint32_t>(bits >> 32);
+}
+inline double ReplicaLearningRate(const Frame& frame) {
+  return std::bit_cast<double>(static_cast<uint64_t>(frame.contributors) << 32 | frame.contributor);
+}
 
 // One partition's part of a sync step decision (kShare payload).
 struct ShareEntry {

@@ -1097,6 +1097,7 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     return refuse(InvalidArgument("contributor {} is not below contributors ({})", h.contributor, h.contributors));
   }
   if (h.step == 0) return refuse(InvalidArgument("step: must be >= 1 (step 1 is the first update)"));
+  if (Status lr = Optimizer::CheckStepLearningRate(h.value); !lr.ok()) return refuse(lr);
 
   Actions actions;
   ps::Frame ok = ps::ReplyTo(h, ps::FrameType::kPushReply);
@@ -1141,6 +1142,14 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     if (h.contributors != part->contributors) {
       return refuse(InvalidArgument("contributors: this push says {}, earlier pushes of the step said {}",
                                     h.contributors, part->contributors));
+    }
+    // The step's learning rate is the first taken push's; every other push
+    // of the step (a contributor's second one too) must carry it.
+    if (part->folded == 0 && part->early.empty()) {
+      part->agg_lr = h.value;
+    } else if (h.value != part->agg_lr) {
+      return refuse(InvalidArgument("push of step {} carries learning rate {}, but the step's other pushes carry {}",
+                                    h.step, h.value, part->agg_lr));
     }
     if (part->seen[h.contributor]) {
       counters_.duplicate_pushes.fetch_add(1);
@@ -1271,7 +1280,8 @@ bool ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     ok.flags = ps::kFlagSkip;
   } else {
     rep.value = opt_.load()->reduction() == v1::GRADIENT_REDUCTION_SUM ? 1.0 : 1.0 / dp;
-    ApplyLocked(*part, grad->data(), rep.value);
+    ps::SetReplicaLearningRate(rep, h.value);
+    ApplyLocked(*part, grad->data(), rep.value, h.value);
     part->state.step += 1;
   }
   rep.step = part->state.step;
@@ -1353,7 +1363,7 @@ void ParameterStore::ScanStep(uint64_t epoch, uint64_t step) {
   ShareStep(epoch, step, nullptr);
 }
 
-void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale) {
+void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale, double lr) {
   const auto start = std::chrono::steady_clock::now();
   UnlendLocked(part, /*keep_values=*/true);
   const uint64_t update_index = part.state.version - 1;
@@ -1365,7 +1375,7 @@ void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scal
     pool_->ParallelFor(seg.count, kApplyGrain, [&](size_t b, size_t e) {
       const size_t o = seg.offset + b;
       opt->Apply(w + o, s0 ? s0 + o : nullptr, s1 ? s1 + o : nullptr, grad + o, e - b, update_index, seg.group,
-                 grad_scale);
+                 grad_scale, lr);
     });
   }
   part.state.version += 1;
@@ -1545,11 +1555,12 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
     rep.step = step;
     rep.version = part->state.version;
     rep.value = grad_scale;
+    ps::SetReplicaLearningRate(rep, part->agg_lr);
     std::shared_ptr<const std::vector<float>> grad;
     if (skip) {
       rep.flags = ps::kFlagSkip;
     } else {
-      ApplyLocked(*part, part->acc->data(), grad_scale);
+      ApplyLocked(*part, part->acc->data(), grad_scale, part->agg_lr);
       grad = part->acc;
     }
     part->state.step = step;
@@ -1858,7 +1869,12 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
       return answer(InvalidArgument("update of partition {} is {} bytes, expected {}", h.partition, h.payload_bytes,
                                     part->state.size() * sizeof(float)));
     }
-    ApplyLocked(*part, static_cast<const float*>(payload), h.value);
+    const double lr = ps::ReplicaLearningRate(h);
+    if (Status valid = Optimizer::CheckStepLearningRate(lr); !valid.ok()) {
+      plock.unlock();
+      return answer(valid.WithContext(fmt::format("update of partition {} step {}", h.partition, h.step)));
+    }
+    ApplyLocked(*part, static_cast<const float*>(payload), h.value, lr);
   }
   part->state.step = h.step;
   part->safe_step = h.step;

@@ -39,18 +39,24 @@
 // already applied a step treats new pushes of it as duplicates and shares
 // its decided share again.
 //
+// Learning rate: a push carries its step's (ps::Frame::value; 0: the
+// optimizer's schedule). In sync mode every push of a step must carry the
+// same one (a push that differs is refused), and the update of the step
+// applies it; the asynchronous modes apply each push with its own.
+//
 // Asynchronous and bounded-staleness modes apply each push on arrival
 // (scaled like a mean over the data-parallel world), per partition; bounded
 // staleness makes a pull wait while its contributor is more than
 // staleness_bound steps ahead of the slowest one. Global gradient-norm
 // clipping needs whole steps, so those modes refuse max_grad_norm.
 //
-// Replication: a primary sends every update (the reduced gradient and the
-// scale it applied) to the partition's backup, which replays it with the same
-// kernel, so both stay bit-identical. A pull of step s is answered only once
-// the backup acknowledged s ("safe"): no acknowledged update exists on one
-// server only. When the map gives a partition a new backup, the primary
-// sends it the partition's whole state, then the updates after it, in order.
+// Replication: a primary sends every update (the reduced gradient, the
+// scale and the learning rate it applied) to the partition's backup, which
+// replays it with the same kernel, so both stay bit-identical. A pull of step
+// s is answered only once the backup acknowledged s ("safe"): no
+// acknowledged update exists on one server only. When the map gives a
+// partition a new backup, the primary sends it the partition's whole state,
+// then the updates after it, in order.
 //
 // Thread safety: thread-safe. Callbacks (replies, links) are invoked without
 // the store's locks held.
@@ -331,6 +337,9 @@ class ParameterStore {
     std::vector<bool> seen TANDEM_GUARDED_BY(mu);
     std::map<uint32_t, std::pair<uint16_t, std::vector<char>>> early TANDEM_GUARDED_BY(mu);
     std::shared_ptr<std::vector<float>> acc TANDEM_GUARDED_BY(mu);
+    // The learning rate the step's pushes carry (Frame::value; 0: the
+    // schedule's), fixed by the first push taken into the aggregation.
+    double agg_lr TANDEM_GUARDED_BY(mu) = 0;
     bool ready TANDEM_GUARDED_BY(mu) = false;
     // Complete, acknowledged, and waiting for its scan (ScanStep).
     bool scan_pending TANDEM_GUARDED_BY(mu) = false;
@@ -413,8 +422,9 @@ class ParameterStore {
   void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions, Then* later);
   // With `later`, the caller holds every partition's lock (MaybeShare).
   void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions, Then* later);
-  // Applies one update to a partition (grad already reduced).
-  void ApplyLocked(Part& part, const float* grad, double grad_scale) TANDEM_REQUIRES(part.mu);
+  // Applies one update to a partition (grad already reduced) with the
+  // learning rate `lr` (0: the schedule's; Optimizer::Apply's step_lr).
+  void ApplyLocked(Part& part, const float* grad, double grad_scale, double lr) TANDEM_REQUIRES(part.mu);
   // Applies a decided sync step to the partitions that aggregated it. With
   // `later`, from the first partition whose lock is held on, in *later.
   void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,

@@ -18,9 +18,12 @@ struct Reference {
   std::vector<double> s0;
   std::vector<double> s1;
 
-  void Step(const Optimizer& o, const std::vector<float>& g, uint64_t t0, const GroupParams& gp, double scale) {
+  // `step_lr`: the update's job-wide learning rate, replacing the schedule's
+  // when > 0 (Optimizer::Apply's step_lr); the group's lr_scale multiplies it.
+  void Step(const Optimizer& o, const std::vector<float>& g, uint64_t t0, const GroupParams& gp, double scale,
+            double step_lr = 0) {
     const v1::OptimizerConfig& c = o.config();
-    const double lr = o.LearningRate(t0) * gp.lr_scale;
+    const double lr = (step_lr > 0 ? step_lr : o.LearningRate(t0)) * gp.lr_scale;
     const double wd = gp.weight_decay;
     for (size_t i = 0; i < w.size(); ++i) {
       double d = static_cast<double>(g[i]) * scale;

@@ -635,6 +635,75 @@ TEST(DeterminismTest, SplitRangesAndThreadPoolsAreBitIdenticalToOneCall) {
   }
 }
 
+// --- A learning rate per update ----------------------------------------------
+
+// A learning rate given for an update (Apply's step_lr: a PyTorch LR
+// scheduler's, carried by the servers' pushes) replaces the schedule's and
+// nothing else: every rule, over a warmup and a cosine decay, gives the same
+// bits as an optimizer whose constant rate is that update's; a group's
+// lr_scale multiplies it; 0 keeps the schedule.
+TEST(UpdateRuleTest, AStepLearningRateReplacesTheScheduleBitForBit) {
+  constexpr size_t kN = 1001;
+  constexpr int kSteps = 12;
+  auto step_lr = [](uint64_t step) { return 0.01 * (1 + static_cast<double>(step % 4)); };
+  for (const RuleCase& rc : RuleCases()) {
+    SCOPED_TRACE(rc.name);
+    v1::OptimizerConfig scheduled = rc.config;
+    scheduled.mutable_lr_schedule()->set_kind(v1::LR_SCHEDULE_KIND_COSINE);
+    scheduled.mutable_lr_schedule()->set_warmup_steps(3);
+    scheduled.mutable_lr_schedule()->set_total_steps(10);
+    auto made = Optimizer::Create(scheduled);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    const GroupParams gp = made->Group(rc.group);
+    const Buffers given = RunSteps(*made, kN, kSteps, [&](const Optimizer& o, Buffers& b, const float* g, uint64_t s) {
+      o.Apply(b.w.data(), b.s0.data(), b.s1.data(), g, kN, s, gp, 0.5, step_lr(s));
+    });
+    const Buffers constant = RunSteps(*made, kN, kSteps, [&](const Optimizer&, Buffers& b, const float* g, uint64_t s) {
+      v1::OptimizerConfig c = rc.config;
+      c.clear_lr_schedule();
+      if (c.has_sgd()) c.mutable_sgd()->set_lr(step_lr(s));
+      if (c.has_adam()) c.mutable_adam()->set_lr(step_lr(s));
+      auto o = Optimizer::Create(c);
+      ASSERT_TRUE(o.ok());
+      o->Apply(b.w.data(), b.s0.data(), b.s1.data(), g, kN, s, o->Group(rc.group), 0.5);
+    });
+    EXPECT_TRUE(given == constant);
+    // 0: the schedule's, as without the argument.
+    const Buffers zero = RunSteps(*made, kN, kSteps, [&](const Optimizer& o, Buffers& b, const float* g, uint64_t s) {
+      o.Apply(b.w.data(), b.s0.data(), b.s1.data(), g, kN, s, gp, 0.5, 0);
+    });
+    const Buffers schedule =
+        RunSteps(*made, kN, kSteps, [&](const Optimizer& o, Buffers& b, const float* g, uint64_t s) {
+          o.Apply(b.w.data(), b.s0.data(), b.s1.data(), g, kN, s, gp, 0.5);
+        });
+    EXPECT_TRUE(zero == schedule);
+    EXPECT_FALSE(zero == given);
+    // lr_scale 0.5 times 2x is x (exactly, in binary).
+    GroupParams half = gp;
+    half.lr_scale = 0.5 * gp.lr_scale;
+    const Buffers scaled = RunSteps(*made, kN, kSteps, [&](const Optimizer& o, Buffers& b, const float* g, uint64_t s) {
+      o.Apply(b.w.data(), b.s0.data(), b.s1.data(), g, kN, s, half, 0.5, 2 * step_lr(s));
+    });
+    EXPECT_TRUE(scaled == given);
+  }
+}
+
+TEST(UpdateRuleTest, AStepLearningRateMustBeZeroOrPositiveAndFinite) {
+  for (double ok : {0.0, -0.0, 1e-8, 0.5, 1e300}) EXPECT_TRUE(Optimizer::CheckStepLearningRate(ok).ok()) << ok;
+  for (double bad : {-1e-3, -kInf, kInf, kNaN}) {
+    const Status s = Optimizer::CheckStepLearningRate(bad);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_NE(s.message().find("must be 0 (the configured schedule) or > 0 and finite"), std::string::npos)
+        << s.message();
+  }
+  EXPECT_EQ(Optimizer::CheckStepLearningRate(-1e-3).message(),
+            "learning rate -0.001: must be 0 (the configured schedule) or > 0 and finite");
+  auto o = Optimizer::Create(Adam(0.25));
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->LearningRate(3, 0), 0.25);
+  EXPECT_EQ(o->LearningRate(3, 0.125), 0.125);
+}
+
 // --- ThreadPool ---------------------------------------------------------------
 
 TEST(ThreadPoolTest, CoversEveryIndexOnceInAlignedChunksOfAtLeastTheGrain) {

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <limits>
 #include <map>
 #include <optional>
 #include <random>
@@ -226,10 +228,12 @@ ps::Frame PushHeader(uint64_t epoch, uint64_t step, uint32_t partition, uint32_t
   return h;
 }
 
+// `lr`: the step's learning rate the push carries (0: the schedule's).
 std::shared_ptr<Answer> Push(ParameterStore& store, uint64_t epoch, uint64_t step, uint32_t partition,
                              uint32_t contributor, uint32_t contributors, const std::vector<float>& grad,
-                             v1::WireDType dtype = v1::WIRE_DTYPE_FP32) {
-  const ps::Frame h = PushHeader(epoch, step, partition, contributor, contributors, grad.size() * sizeof(float), dtype);
+                             v1::WireDType dtype = v1::WIRE_DTYPE_FP32, double lr = 0) {
+  ps::Frame h = PushHeader(epoch, step, partition, contributor, contributors, grad.size() * sizeof(float), dtype);
+  h.value = lr;
   auto a = std::make_shared<Answer>();
   store.Push(1, h, grad.data(), Into(a));
   return a;
@@ -275,8 +279,22 @@ std::vector<float> Grad(uint64_t step, uint32_t contributor, uint64_t begin, uin
   return g;
 }
 
-// The run's parameters on one server with plain Push calls (below).
-std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors);
+// A step's learning rate for the pushes (0: the schedule's).
+using StepLr = std::function<double(uint64_t step)>;
+
+// A LambdaLR-like sequence of learning rates: a short warmup, then an
+// exponential decay, with every seventh step left to the configured
+// schedule (0), so that the servers' schedule and pushed rates alternate.
+double LambdaLr(uint64_t step) {
+  if (step % 7 == 0) return 0;
+  const double base = 2e-2;
+  const double factor = step <= 3 ? static_cast<double>(step) / 3 : std::pow(0.93, static_cast<double>(step - 3));
+  return base * factor;
+}
+
+// The run's parameters on one server with plain Push calls (below), the
+// pushes of step s carrying lr(s) (null: 0, the schedule's).
+std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors, const StepLr& lr = nullptr);
 
 class PsCoreTest : public ::testing::Test {
  protected:
@@ -308,15 +326,16 @@ class PsCoreTest : public ::testing::Test {
   uint32_t Partitions() const { return static_cast<uint32_t>(map_.partitions_size()); }
 
   // Every contributor pushes every partition of `step` (contributors in
-  // `order`), then pulls: returns the whole parameter vector.
-  std::vector<float> RunStep(uint64_t step, uint32_t contributors, std::vector<uint32_t> order = {}) {
+  // `order`), each push carrying the learning rate `lr`, then pulls: returns
+  // the whole parameter vector.
+  std::vector<float> RunStep(uint64_t step, uint32_t contributors, std::vector<uint32_t> order = {}, double lr = 0) {
     if (order.empty()) {
       for (uint32_t c = 0; c < contributors; ++c) order.push_back(c);
     }
     for (uint32_t p = 0; p < Partitions(); ++p) {
       auto [b, e] = Range(p);
       for (uint32_t c : order) {
-        auto a = Push(PrimaryOf(p), epoch_, step, p, c, contributors, Grad(step, c, b, e));
+        auto a = Push(PrimaryOf(p), epoch_, step, p, c, contributors, Grad(step, c, b, e), v1::WIRE_DTYPE_FP32, lr);
         EXPECT_TRUE(a->done);
         EXPECT_TRUE(a->status().ok()) << a->status().ToString();
       }
@@ -458,7 +477,7 @@ class PsCoreTest : public ::testing::Test {
   uint64_t epoch_ = 0;
 };
 
-std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors) {
+std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors, const StepLr& lr) {
   // One server holding everything.
   Cluster cluster;
   cluster.Add(kFirstServer);
@@ -473,7 +492,8 @@ std::vector<float> ReferenceRun(const Job& job, int steps, uint32_t contributors
       const auto& r = map.partitions(p).range();
       for (uint32_t c = 0; c < contributors; ++c) {
         EXPECT_TRUE(Push(cluster[kFirstServer], 1, static_cast<uint64_t>(s), static_cast<uint32_t>(p), c, contributors,
-                         Grad(static_cast<uint64_t>(s), c, r.begin(), r.end()))
+                         Grad(static_cast<uint64_t>(s), c, r.begin(), r.end()), v1::WIRE_DTYPE_FP32,
+                         lr ? lr(static_cast<uint64_t>(s)) : 0)
                         ->status()
                         .ok());
       }
@@ -798,6 +818,83 @@ TEST_F(PsCoreTest, BadPushesGetClearErrorsAndChangeNothing) {
   ExpectReplicasEqual();
 }
 
+// A learning rate per step (ps::Frame::value): every push of a step must
+// carry the step's rate. A push that carries another one (than the step's
+// first push, also one still waiting in the buffer for its turn, or the
+// same contributor's) is refused with INVALID_ARGUMENT naming both rates and
+// is not folded in: the step, completed by the right pushes, equals a clean
+// run's bit for bit.
+TEST_F(PsCoreTest, APushWhoseLearningRateDiffersFromItsStepsIsRefusedAndChangesNothing) {
+  Job job;
+  Start(2, job);
+  auto [b, e] = Range(0);
+  const auto before = PrimaryOf(0).Stats({0});
+  auto expect_mismatch = [&](std::shared_ptr<Answer> a, const std::string& words) {
+    ASSERT_TRUE(a->done);
+    EXPECT_EQ(a->status().code(), StatusCode::kInvalidArgument) << a->status().ToString();
+    EXPECT_NE(a->status().message().find(words), std::string::npos) << a->status().message();
+  };
+  // Contributor 2 of 3 comes first: buffered until 0 and 1 are folded in.
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 2, 3, Grad(1, 2, b, e), v1::WIRE_DTYPE_FP32, 0.01)->status().ok());
+  expect_mismatch(Push(PrimaryOf(0), 1, 1, 0, 0, 3, Grad(1, 0, b, e), v1::WIRE_DTYPE_FP32, 0.02),
+                  "push of step 1 carries learning rate 0.02, but the step's other pushes carry 0.01");
+  // The schedule's (0) is another rate too.
+  expect_mismatch(Push(PrimaryOf(0), 1, 1, 0, 1, 3, Grad(1, 1, b, e)),
+                  "carries learning rate 0, but the step's other pushes carry 0.01");
+  ASSERT_TRUE(Push(PrimaryOf(0), 1, 1, 0, 0, 3, Grad(1, 0, b, e), v1::WIRE_DTYPE_FP32, 0.01)->status().ok());
+  // The same contributor again with another rate: refused, not a duplicate.
+  expect_mismatch(Push(PrimaryOf(0), 1, 1, 0, 0, 3, Grad(1, 0, b, e), v1::WIRE_DTYPE_FP32, 0.03),
+                  "carries learning rate 0.03");
+  const auto after = PrimaryOf(0).Stats({0});
+  EXPECT_EQ(after.partitions(0).version(), before.partitions(0).version());
+  EXPECT_EQ(after.partitions(0).step(), before.partitions(0).step());
+  // Completed with the step's rate, it equals a clean run's step (the
+  // pushes already taken are duplicates).
+  const StepLr lr = [](uint64_t) { return 0.01; };
+  const auto params = RunStep(1, 3, {}, 0.01);
+  const auto reference = ReferenceRun(job, 1, 3, lr);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+}
+
+// A negative, NaN or infinite learning rate is refused with INVALID_ARGUMENT
+// naming it, before anything else of the push is taken: it fixes neither
+// the step's rate nor a contribution, so the step then completes with the
+// schedule's rate (value 0) exactly as a clean run does.
+TEST_F(PsCoreTest, ANegativeNanOrInfiniteLearningRateIsRefusedAndChangesNothing) {
+  Job job;
+  Start(2, job);
+  auto [b, e] = Range(0);
+  for (double lr : {-0.01, -std::numeric_limits<double>::infinity(), std::numeric_limits<double>::infinity(),
+                    std::numeric_limits<double>::quiet_NaN()}) {
+    auto a = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e), v1::WIRE_DTYPE_FP32, lr);
+    ASSERT_TRUE(a->done);
+    EXPECT_EQ(a->status().code(), StatusCode::kInvalidArgument) << lr << ": " << a->status().ToString();
+    EXPECT_NE(a->status().message().find("must be 0 (the configured schedule) or > 0 and finite"), std::string::npos)
+        << a->status().message();
+  }
+  auto negative = Push(PrimaryOf(0), 1, 1, 0, 0, 2, Grad(1, 0, b, e), v1::WIRE_DTYPE_FP32, -0.01);
+  EXPECT_NE(negative->status().message().find("learning rate -0.01"), std::string::npos)
+      << negative->status().message();
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), 1u);
+  EXPECT_EQ(RunStep(1, 2), ReferenceRun(job, 1, 2));
+  ExpectReplicasEqual();
+}
+
+// A pushed learning rate replaces the schedule's, nothing else: pushing the
+// rate the (constant) schedule has gives the same bits as pushing 0.
+TEST_F(PsCoreTest, APushedLearningRateEqualToTheSchedulesChangesNoBit) {
+  Job job;  // AdamW, lr 1e-2, constant
+  Start(3, job);
+  std::vector<float> params;
+  for (uint64_t s = 1; s <= 4; ++s) params = RunStep(s, 2, {}, job.optimizer.adam().lr());
+  const auto reference = ReferenceRun(job, 4, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+}
+
 TEST_F(PsCoreTest, NonFiniteGradientSkipsTheStepOnEveryServer) {
   Job job;
   Start(3, job);
@@ -1039,6 +1136,69 @@ TEST_F(PsCoreTest, ServerDiesAfterTheDecisionStepCompletesOnce) {
   ExpectReplicasEqual();
 }
 
+// A learning rate per step through failures. Step 2 is decided everywhere
+// while replication is held, then a server dies: its promoted backups have
+// not applied the step and apply it from the pushes sent again, which carry
+// the step's rate (the partitions that applied it count them as
+// duplicates). The result equals a failure-free run with the same rates, bit
+// for bit, and every backup equals its primary.
+TEST_F(PsCoreTest, AStepPushedAgainAfterAFailureAppliesItsLearningRate) {
+  Job job;
+  Start(3, job);
+  RunStep(1, 2, {}, LambdaLr(1));
+  cluster_.hold_replicas = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [b, e] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) {
+      Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e), v1::WIRE_DTYPE_FP32, LambdaLr(2));
+    }
+  }
+  cluster_.nodes[kFirstServer + 1]->alive = false;
+  cluster_.Release();
+  map_ = Reassign(map_, cluster_.Live());
+  SetEpoch(2);
+  std::vector<float> params;
+  for (uint64_t s = 2; s <= 8; ++s) params = RunStep(s, 2, {}, LambdaLr(s));
+  const auto reference = ReferenceRun(job, 8, 2, LambdaLr);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+  // The rates mattered: the schedule's alone gives other parameters.
+  EXPECT_NE(std::memcmp(params.data(), ReferenceRun(job, 8, 2).data(), params.size() * sizeof(float)), 0);
+}
+
+// A step decided on one server as the epoch changes is applied on the
+// others from the aggregation they kept, with the rate its pushes carried.
+TEST_F(PsCoreTest, AStepDecidedFromKeptPushesAppliesTheirLearningRate) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2, {}, LambdaLr(1));
+  auto push_step_2 = [&](uint64_t server) {
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      if (map_.partitions(static_cast<int>(p)).primary_member_id() != server) continue;
+      auto [b, e] = Range(p);
+      for (uint32_t c = 0; c < 2; ++c) {
+        ASSERT_TRUE(
+            Push(PrimaryOf(p), 1, 2, p, c, 2, Grad(2, c, b, e), v1::WIRE_DTYPE_FP32, LambdaLr(2))->status().ok());
+      }
+    }
+  };
+  push_step_2(kFirstServer + 1);  // 102 shares with 101
+  cluster_.drop_shares = true;
+  push_step_2(kFirstServer);  // 101 decides; its share is lost
+  cluster_.drop_shares = false;
+  EXPECT_EQ(cluster_[kFirstServer + 1].Stats({1}).partitions(0).step(), 1u);
+  SetEpoch(2, /*dp=*/3);
+  std::vector<float> params = PullAll(2);
+  ExpectReplicasEqual();
+  SetEpoch(3, /*dp=*/2);
+  for (uint64_t s = 3; s <= 4; ++s) params = RunStep(s, 2, {}, LambdaLr(s));
+  ExpectReplicasEqual();
+  const auto reference = ReferenceRun(job, 4, 2, LambdaLr);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
 TEST_F(PsCoreTest, AServerThatJoinsLaterGetsTheJobAndTheStateOfItsBackups) {
   Job job;
   Start(3, job);
@@ -1173,6 +1333,92 @@ TEST_F(PsCoreTest, AsyncBadPushesLeaveWeightsAndClocksAsTheyWere) {
   EXPECT_EQ(late->header.flags & ps::kFlagDuplicate, 0);
   EXPECT_EQ(version(), 3u);
   EXPECT_NE(weights(), before);
+  ExpectReplicasEqual();
+}
+
+// Asynchronous mode applies each push on arrival with the learning rate it
+// carries (0: the schedule's at the partition's update count), whatever the
+// other pushes of its step carried: the weights follow the double-precision
+// reference of those updates in arrival order, and every backup (which
+// replays each update with the rate of its kReplica frame) equals its
+// primary. A negative or NaN rate is refused and leaves the weights and the
+// pusher's clock as they were.
+TEST_F(PsCoreTest, AsyncAppliesEachPushWithItsOwnLearningRate) {
+  Job job;
+  job.consistency.set_mode(v1::CONSISTENCY_MODE_ASYNC);
+  Start(2, job);
+  auto made = optim::Optimizer::Create(job.Init(1).optimizer());
+  ASSERT_TRUE(made.ok()) << made.status().ToString();
+  const optim::Optimizer& o = *made;
+  const uint64_t split = job.params - 500;  // tensor "w", then "b" (group no_decay)
+  auto reference = [&](uint64_t b, uint64_t e) {
+    return optim::Reference{std::vector<double>(job.initial.begin() + b, job.initial.begin() + e),
+                            std::vector<double>(e - b, 0), std::vector<double>(e - b, 0)};
+  };
+  optim::Reference w = reference(0, split);
+  optim::Reference bias = reference(split, job.params);
+  auto gradient = [&](uint64_t step, uint32_t c) {
+    std::vector<float> g;
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto [b, e] = Range(p);
+      const auto part = Grad(step, c, b, e);
+      g.insert(g.end(), part.begin(), part.end());
+    }
+    return g;
+  };
+  struct Arrival {
+    uint64_t step;
+    uint32_t contributor;
+    double lr;
+  };
+  const Arrival arrivals[] = {{1, 0, 0.03}, {1, 1, 0.01}, {2, 1, 0}, {2, 0, 0.02}, {3, 0, 0.005}};
+  uint64_t updates = 0;
+  for (const Arrival& a : arrivals) {
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto [b, e] = Range(p);
+      auto answer = Push(PrimaryOf(p), 1, a.step, p, a.contributor, 2, Grad(a.step, a.contributor, b, e),
+                         v1::WIRE_DTYPE_FP32, a.lr);
+      ASSERT_TRUE(AnsweredOk(answer));
+      EXPECT_FALSE(Duplicate(answer));
+    }
+    const auto g = gradient(a.step, a.contributor);
+    w.Step(o, std::vector<float>(g.begin(), g.begin() + static_cast<ptrdiff_t>(split)), updates, o.Group(""), 0.5,
+           a.lr);
+    bias.Step(o, std::vector<float>(g.begin() + static_cast<ptrdiff_t>(split), g.end()), updates, o.Group("no_decay"),
+              0.5, a.lr);
+    ++updates;
+  }
+  auto weights = [&] {
+    std::vector<float> all;
+    for (uint32_t p = 0; p < Partitions(); ++p) {
+      auto a = Pull(PrimaryOf(p), 1, 0, p);
+      EXPECT_TRUE(a->done);
+      auto v = a->floats();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    return all;
+  };
+  const auto params = weights();
+  ASSERT_EQ(params.size(), job.params);
+  double max_err = 0;
+  for (uint64_t i = 0; i < job.params; ++i) {
+    const double want = i < split ? w.w[i] : bias.w[i - split];
+    max_err = std::max(max_err, std::fabs(params[i] - want) / std::max(1.0, std::fabs(want)));
+  }
+  EXPECT_LT(max_err, 1e-5);
+  ExpectReplicasEqual();
+  // Refused rates change nothing: contributor 1's step 3 is still new.
+  auto [b, e] = Range(0);
+  for (double lr : {-1.0, std::numeric_limits<double>::quiet_NaN()}) {
+    auto refused = Push(PrimaryOf(0), 1, 3, 0, 1, 2, Grad(3, 1, b, e), v1::WIRE_DTYPE_FP32, lr);
+    ASSERT_TRUE(refused->done);
+    EXPECT_EQ(refused->status().code(), StatusCode::kInvalidArgument) << refused->status().ToString();
+  }
+  EXPECT_EQ(weights(), params);
+  auto taken = Push(PrimaryOf(0), 1, 3, 0, 1, 2, Grad(3, 1, b, e), v1::WIRE_DTYPE_FP32, 0.01);
+  ASSERT_TRUE(AnsweredOk(taken));
+  EXPECT_FALSE(Duplicate(taken));
+  EXPECT_EQ(PrimaryOf(0).Stats({0}).partitions(0).version(), updates + 2);
   ExpectReplicasEqual();
 }
 
@@ -1428,50 +1674,67 @@ void PrintTo(const StoreRuleCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-class StoreMatchesReference : public PsCoreTest, public ::testing::WithParamInterface<StoreRuleCase> {};
+class StoreMatchesReference : public PsCoreTest, public ::testing::WithParamInterface<StoreRuleCase> {
+ protected:
+  // Sixty steps whose pushes carry lr(step) (null: 0, the schedule's).
+  void RunAgainstReference(const StepLr& lr) {
+    constexpr uint64_t kSteps = 60;
+    Job job;
+    job.optimizer = GetParam().config;
+    Start(3, job);
+    auto made = optim::Optimizer::Create(job.optimizer);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    const optim::Optimizer& o = *made;
+    const uint64_t split = job.params - 500;  // tensor "w", then "b" (group no_decay)
+    auto reference = [&](uint64_t b, uint64_t e) {
+      return optim::Reference{std::vector<double>(job.initial.begin() + b, job.initial.begin() + e),
+                              std::vector<double>(e - b, 0), std::vector<double>(e - b, 0)};
+    };
+    optim::Reference w = reference(0, split);
+    optim::Reference bias = reference(split, job.params);
+    std::vector<float> params;
+    for (uint64_t step = 1; step <= kSteps; ++step) {
+      const double step_lr = lr ? lr(step) : 0;
+      params = RunStep(step, 2, {}, step_lr);
+      // The step's gradient as the store sums it: contributor 0's, plus 1's.
+      std::vector<float> g;
+      for (uint32_t p = 0; p < Partitions(); ++p) {
+        auto [b, e] = Range(p);
+        auto g0 = Grad(step, 0, b, e);
+        const auto g1 = Grad(step, 1, b, e);
+        for (size_t i = 0; i < g0.size(); ++i) g0[i] += g1[i];
+        g.insert(g.end(), g0.begin(), g0.end());
+      }
+      w.Step(o, std::vector<float>(g.begin(), g.begin() + static_cast<ptrdiff_t>(split)), step - 1, o.Group(""), 0.5,
+             step_lr);
+      bias.Step(o, std::vector<float>(g.begin() + static_cast<ptrdiff_t>(split), g.end()), step - 1,
+                o.Group("no_decay"), 0.5, step_lr);
+    }
+    double max_err = 0;
+    double moved = 0;
+    for (uint64_t i = 0; i < job.params; ++i) {
+      const double want = i < split ? w.w[i] : bias.w[i - split];
+      ASSERT_TRUE(std::isfinite(params[i])) << i;
+      max_err = std::max(max_err, std::fabs(params[i] - want) / std::max(1.0, std::fabs(want)));
+      moved += std::fabs(params[i] - job.initial[i]);
+    }
+    EXPECT_LT(max_err, 2e-5) << GetParam().name;
+    EXPECT_GT(moved / static_cast<double>(job.params), 0.01)
+        << "the weights hardly moved: the test would prove nothing";
+    ExpectReplicasEqual();
+  }
+};
 
 TEST_P(StoreMatchesReference, SixtyStepsMatchADoublePrecisionReference) {
-  constexpr uint64_t kSteps = 60;
-  Job job;
-  job.optimizer = GetParam().config;
-  Start(3, job);
-  auto made = optim::Optimizer::Create(job.optimizer);
-  ASSERT_TRUE(made.ok()) << made.status().ToString();
-  const optim::Optimizer& o = *made;
-  const uint64_t split = job.params - 500;  // tensor "w", then "b" (group no_decay)
-  auto reference = [&](uint64_t b, uint64_t e) {
-    return optim::Reference{std::vector<double>(job.initial.begin() + b, job.initial.begin() + e),
-                            std::vector<double>(e - b, 0), std::vector<double>(e - b, 0)};
-  };
-  optim::Reference w = reference(0, split);
-  optim::Reference bias = reference(split, job.params);
-  std::vector<float> params;
-  for (uint64_t step = 1; step <= kSteps; ++step) {
-    params = RunStep(step, 2);
-    // The step's gradient as the store sums it: contributor 0's, plus 1's.
-    std::vector<float> g;
-    for (uint32_t p = 0; p < Partitions(); ++p) {
-      auto [b, e] = Range(p);
-      auto g0 = Grad(step, 0, b, e);
-      const auto g1 = Grad(step, 1, b, e);
-      for (size_t i = 0; i < g0.size(); ++i) g0[i] += g1[i];
-      g.insert(g.end(), g0.begin(), g0.end());
-    }
-    w.Step(o, std::vector<float>(g.begin(), g.begin() + static_cast<ptrdiff_t>(split)), step - 1, o.Group(""), 0.5);
-    bias.Step(o, std::vector<float>(g.begin() + static_cast<ptrdiff_t>(split), g.end()), step - 1, o.Group("no_decay"),
-              0.5);
-  }
-  double max_err = 0;
-  double moved = 0;
-  for (uint64_t i = 0; i < job.params; ++i) {
-    const double want = i < split ? w.w[i] : bias.w[i - split];
-    ASSERT_TRUE(std::isfinite(params[i])) << i;
-    max_err = std::max(max_err, std::fabs(params[i] - want) / std::max(1.0, std::fabs(want)));
-    moved += std::fabs(params[i] - job.initial[i]);
-  }
-  EXPECT_LT(max_err, 2e-5) << GetParam().name;
-  EXPECT_GT(moved / static_cast<double>(job.params), 0.01) << "the weights hardly moved: the test would prove nothing";
-  ExpectReplicasEqual();
+  RunAgainstReference(nullptr);
+}
+
+// The same with a learning rate pushed for every step (LambdaLr: a PyTorch
+// LR scheduler's sequence, every seventh step left to the schedule): the
+// store applies the pushed rates, times the group's lr_scale, and the
+// backups, which replay each update with its rate, stay bit-identical.
+TEST_P(StoreMatchesReference, APushedLearningRatePerStepReplacesTheSchedule) {
+  RunAgainstReference(LambdaLr);
 }
 
 std::vector<StoreRuleCase> StoreRuleCases() {

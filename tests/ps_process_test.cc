@@ -6,13 +6,17 @@
 // state, the workers push the interrupted step again, and training goes on.
 // The final parameters must equal, bit for bit, those of a run without the
 // failure (a single in-process parameter store fed the same gradients), and
-// every backup must hold the same version as its primary. Then a checkpoint
-// is saved through the gRPC control service and restored.
+// every backup must hold the same version as its primary. The pushes carry a
+// learning rate per step (a PyTorch LR scheduler's, over the wire in
+// ps::Frame::value; every fourth step leaves it to the servers' schedule),
+// the step pushed again after the kill too. Then a checkpoint is saved
+// through the gRPC control service and restored.
 #include <signal.h>
 
 #include <atomic>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <latch>
 #include <optional>
 #include <random>
@@ -54,9 +58,16 @@ std::vector<float> Initial() {
   return v;
 }
 
+// The learning rate the pushes of a step carry in the kill test (0: the
+// servers' schedule).
+double KillTestLr(uint64_t step) {
+  return step % 4 == 0 ? 0 : 2e-2 / static_cast<double>(step);
+}
+
 // The parameters after `steps` steps without any failure: one in-process
-// store holding every partition.
-std::vector<float> Reference(uint64_t steps) {
+// store holding every partition, the pushes of step s carrying lr(s) (null:
+// 0, the schedule's).
+std::vector<float> Reference(uint64_t steps, const std::function<double(uint64_t)>& lr = nullptr) {
   class NoLinks : public server::ServerLinks {
     void SendShare(uint64_t, uint64_t, const std::vector<ps::ShareEntry>&) override {}
     void SendToBackup(uint64_t, const ps::Frame&, std::shared_ptr<const std::vector<float>>,
@@ -105,7 +116,8 @@ std::vector<float> Reference(uint64_t steps) {
         h.contributors = kWorkers;
         h.dtype = v1::WIRE_DTYPE_FP32;
         h.payload_bytes = g.size() * sizeof(float);
-        store.Push(0, h, g.data(), [](ps::Frame, server::ReplyBody) {});
+        h.value = lr ? lr(s) : 0;
+        store.Push(0, h, g.data(), [](ps::Frame reply, server::ReplyBody) { EXPECT_EQ(reply.status, 0); });
       }
     }
     for (uint32_t p = 0; p < parts; ++p) {
@@ -233,7 +245,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
           // An asynchronous save of a later step while training runs.
           saver = std::thread([&] { mid_save = workers[0]->client().SaveCheckpoint(ckpt, kSaveStep, "mid", true); });
         }
-        Status st = workers[w]->Step(s, params[w], after);
+        Status st = workers[w]->Step(s, params[w], after, KillTestLr(s));
         if (!st.ok()) {
           results[w] = st;
           if (s == kKillStep && w == 0) pushed.count_down();
@@ -271,7 +283,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   }
 
   // Both workers hold the same parameters, equal to a run without failure.
-  const auto reference = Reference(kSteps);
+  const auto reference = Reference(kSteps, KillTestLr);
   EXPECT_EQ(std::memcmp(params[0].data(), params[1].data(), kParams * sizeof(float)), 0);
   EXPECT_EQ(std::memcmp(params[0].data(), reference.data(), kParams * sizeof(float)), 0);
   EXPECT_NE(params[0][0], initial[0]);
@@ -398,7 +410,7 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   EXPECT_EQ(pull_all(), params[0]);
   ASSERT_TRUE(workers[0]->client().RestoreCheckpoint(ckpt + "/mid", false).ok());
   const auto at_save = pull_all();
-  const auto reference_at_save = Reference(kSaveStep);
+  const auto reference_at_save = Reference(kSaveStep, KillTestLr);
   EXPECT_EQ(std::memcmp(at_save.data(), reference_at_save.data(), kParams * sizeof(float)), 0);
 
   workers.clear();

@@ -169,11 +169,14 @@ class PsWorker {
     return failed;
   }
 
-  // Pushes this worker's Gradient of every partition for `step`, runs
+  // Pushes this worker's Gradient of every partition for `step`, each push
+  // carrying the learning rate `lr` (0: the servers' schedule), runs
   // `after_push` (first attempt only), then pulls the parameters after the
   // step. A failure caused by a membership change (ABORTED, UNAVAILABLE,
-  // FAILED_PRECONDITION) waits for the next epoch and does the step again.
-  Status Step(uint64_t step, std::vector<float>& params, const std::function<void()>& after_push = nullptr) {
+  // FAILED_PRECONDITION) waits for the next epoch and does the step again,
+  // with the same rate.
+  Status Step(uint64_t step, std::vector<float>& params, const std::function<void()>& after_push = nullptr,
+              double lr = 0) {
     for (int attempt = 0; attempt < 5; ++attempt) {
       const uint64_t epoch = client_->epoch();
       const v1::ShardMap map = client_->shard_map();
@@ -182,7 +185,7 @@ class PsWorker {
       for (const auto& p : map.partitions()) {
         grads.push_back(Gradient(step, index_, p.range().begin(), p.range().end()));
         ops.push_back(client_->Push(p.id(), step, index_, contributors_, v1::WIRE_DTYPE_FP32, grads.back().data(),
-                                    grads.back().size() * sizeof(float)));
+                                    grads.back().size() * sizeof(float), lr));
       }
       Status failed;
       for (auto& op : ops) {

@@ -5,7 +5,9 @@
 #include "worker/runtime/trainer.h"
 
 #include <cmath>
+#include <cstring>
 #include <functional>
+#include <memory>
 
 #include <gtest/gtest.h>
 
@@ -181,6 +183,73 @@ TEST(TrainerTest, LinearScalingAndWarmupReachTheOptimizer) {
   EXPECT_EQ(o->lr_schedule().warmup_steps(), 5u);
   EXPECT_EQ(o->reduction(), v1::GRADIENT_REDUCTION_SUM);
   EXPECT_EQ(o->group_overrides().at("no_decay").weight_decay(), 0.0);
+}
+
+// Allreduce mode's local optimizer takes the learning rate the runtime
+// gives it for the step (Runtime::SetStepLearningRate), as the servers take a
+// push's: it replaces the schedule's, bit for bit the update of an optimizer
+// whose constant rate it is; 0 goes back to the schedule; a negative rate
+// fails the update and changes nothing.
+TEST(TrainerTest, TheLocalOptimizerAppliesTheStepsLearningRate) {
+  constexpr size_t kN = 300;
+  std::vector<v1::TensorSpec> tensors(2);
+  tensors[0].set_name("w");
+  tensors[0].add_shape(200);
+  tensors[1].set_name("b");
+  tensors[1].add_shape(100);
+  tensors[1].set_flat_offset(200);
+  tensors[1].set_group("no_decay");
+  v1::OptimizerConfig scheduled;
+  scheduled.mutable_adam()->set_lr(0.003);
+  scheduled.mutable_adam()->set_weight_decay(0.01);
+  scheduled.mutable_adam()->set_decoupled_weight_decay(true);
+  (*scheduled.mutable_group_overrides())["no_decay"].set_weight_decay(0);
+  (*scheduled.mutable_group_overrides())["no_decay"].set_lr_scale(0.5);
+  v1::OptimizerConfig constant = scheduled;
+  scheduled.mutable_lr_schedule()->set_kind(v1::LR_SCHEDULE_KIND_LINEAR);
+  scheduled.mutable_lr_schedule()->set_warmup_steps(2);
+  scheduled.mutable_lr_schedule()->set_total_steps(6);
+  std::vector<float> grads(kN);
+  for (size_t i = 0; i < kN; ++i) grads[i] = std::sin(static_cast<float>(i)) * 0.1f;
+  std::vector<float> given(kN, 1.0f);
+  std::vector<float> fixed(kN, 1.0f);
+  auto a = LocalOptimizer::Create(scheduled, kN);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  bool skipped = false;
+  for (int step = 0; step < 5; ++step) {
+    const double lr = 0.02 / (1 + step);
+    (*a)->set_learning_rate(lr);
+    ASSERT_TRUE((*a)->Step(given, grads, tensors, &skipped).ok());
+  }
+  // The same five updates by optimizers of constant rates, each carrying on
+  // from the state of the one before: the same bits.
+  {
+    std::unique_ptr<LocalOptimizer> carried;
+    for (int step = 0; step < 5; ++step) {
+      constant.mutable_adam()->set_lr(0.02 / (1 + step));
+      auto b = LocalOptimizer::Create(constant, kN);
+      ASSERT_TRUE(b.ok());
+      if (carried) {
+        (*b)->state0() = carried->state0();
+        (*b)->state1() = carried->state1();
+        (*b)->set_updates(carried->updates());
+      }
+      ASSERT_TRUE((*b)->Step(fixed, grads, tensors, &skipped).ok());
+      carried = std::move(*b);
+    }
+  }
+  EXPECT_EQ(std::memcmp(given.data(), fixed.data(), kN * sizeof(float)), 0);
+  // 0: the schedule's again; a negative rate fails and changes nothing.
+  (*a)->set_learning_rate(-0.01);
+  const std::vector<float> before = given;
+  const Status refused = (*a)->Step(given, grads, tensors, &skipped);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+  EXPECT_NE(refused.message().find("learning rate -0.01"), std::string::npos) << refused.message();
+  EXPECT_EQ(given, before);
+  EXPECT_EQ((*a)->updates(), 5u);
+  (*a)->set_learning_rate(0);
+  ASSERT_TRUE((*a)->Step(given, grads, tensors, &skipped).ok());
+  EXPECT_NE(given, before);
 }
 
 }  // namespace

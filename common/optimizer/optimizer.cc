@@ -247,6 +247,11 @@ double Optimizer::LearningRate(uint64_t update_index) const {
   return lr_ * (min_ratio + (1 - min_ratio) * shape);
 }
 
+Status Optimizer::CheckStepLearningRate(double lr) {
+  if (lr == 0 || (lr > 0 && std::isfinite(lr))) return Status::Ok();
+  return InvalidArgument("learning rate {}: must be 0 (the configured schedule) or > 0 and finite", lr);
+}
+
 GroupParams Optimizer::Group(std::string_view group) const {
   if (auto it = groups_.find(group); it != groups_.end()) return it->second;
   return defaults_;
@@ -263,9 +268,9 @@ v1::GradientReduction Optimizer::reduction() const {
 }
 
 void Optimizer::Apply(float* w, float* s0, float* s1, const float* g, size_t count, uint64_t update_index,
-                      const GroupParams& group, double grad_scale) const {
+                      const GroupParams& group, double grad_scale, double step_lr) const {
   if (count == 0) return;
-  const double lr = LearningRate(update_index) * group.lr_scale;
+  const double lr = LearningRate(update_index, step_lr) * group.lr_scale;
   const double wd = group.weight_decay;
   if (rule_ == Rule::kSgd) {
     const SgdScalars s{static_cast<float>(grad_scale), static_cast<float>(lr), static_cast<float>(momentum_),

@@ -10,12 +10,13 @@
 // Nesterov, weight decay as L2 added to the gradient), torch.optim.Adam (L2
 // weight decay) and torch.optim.AdamW (decoupled: w -= lr * wd * w), with
 // Adam's bias correction optional. The learning rate follows server.proto's
-// LrSchedule.
+// LrSchedule, unless the caller gives an update its own (Apply's `step_lr`: a
+// PyTorch LR scheduler driving the servers, one rate per step).
 //
 // Determinism: Apply is elementwise: element i of the result depends only on
 // element i of the inputs and on per-step scalars, which are computed in
-// double once per call from (update_index, group, grad_scale) and rounded to
-// float. The element math is fp32 with no fused multiply-adds (the kernel is
+// double once per call from (update_index, group, grad_scale, step_lr) and
+// rounded to float. The element math is fp32 with no fused multiply-adds (the kernel is
 // built with -ffp-contract=off) and no reassociation, so the AVX-512, AVX2
 // and baseline clones, a vector lane and the scalar tail, one call over
 // [0, n) and any number of calls over pieces of it all give bit-identical
@@ -65,6 +66,13 @@ class Optimizer {
   // The peak learning rate times the schedule at `update_index` (the number
   // of updates applied before this one).
   double LearningRate(uint64_t update_index) const;
+  // The job-wide learning rate of an update: `lr` when it is > 0 (a rate
+  // given for the update, replacing the schedule's), else
+  // LearningRate(update_index). A group's lr_scale multiplies either.
+  double LearningRate(uint64_t update_index, double lr) const { return lr > 0 ? lr : LearningRate(update_index); }
+  // Checks a learning rate given for an update (Apply's `step_lr`): 0 (the
+  // schedule's) or > 0 and finite; INVALID_ARGUMENT naming it otherwise.
+  static Status CheckStepLearningRate(double lr);
   // The job-wide hyperparameters with `group`'s overrides applied ("" and
   // groups without overrides get the job-wide values).
   GroupParams Group(std::string_view group) const;
@@ -83,10 +91,15 @@ class Optimizer {
   // `update_index`: updates applied before this one (the schedule's step;
   // Adam's bias correction uses t = update_index + 1; SGD's first momentum
   // step, update_index 0, sets the buffer to the gradient).
+  // `step_lr`: the job-wide learning rate of this update, replacing the
+  // schedule's when > 0; 0 (the default): the schedule's at update_index.
+  // The group's lr_scale multiplies either (LearningRate(update_index,
+  // step_lr)).
   // REQUIRES: the buffers do not overlap one another; the used state buffers
-  // are not null. Buffers need no particular alignment.
+  // are not null; CheckStepLearningRate(step_lr) is OK. Buffers need no
+  // particular alignment.
   void Apply(float* w, float* s0, float* s1, const float* g, size_t count, uint64_t update_index,
-             const GroupParams& group, double grad_scale) const;
+             const GroupParams& group, double grad_scale, double step_lr = 0) const;
 
  private:
   enum class Rule { kSgd, kAdam, kAdamW };

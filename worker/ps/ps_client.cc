@@ -250,7 +250,7 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
 }
 
 std::shared_ptr<PsOp> PsClient::Push(uint32_t partition, uint64_t step, uint32_t contributor, uint32_t contributors,
-                                     v1::WireDType dtype, const void* data, size_t bytes) {
+                                     v1::WireDType dtype, const void* data, size_t bytes, double lr) {
   ps::Frame h;
   h.type = ps::FrameType::kPush;
   h.partition = partition;
@@ -258,6 +258,7 @@ std::shared_ptr<PsOp> PsClient::Push(uint32_t partition, uint64_t step, uint32_t
   h.contributor = contributor;
   h.contributors = contributors;
   h.dtype = static_cast<uint16_t>(dtype);
+  h.value = lr;
   return Start(h, data, bytes, nullptr, 0);
 }
 

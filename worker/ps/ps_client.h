@@ -118,9 +118,15 @@ class PsClient {
 
   // Gradient of `partition` for `step` (>= 1) as `dtype` (bytes must be the
   // partition's elements times the dtype's size); this worker is
-  // `contributor` of `contributors` pushes the step needs.
+  // `contributor` of `contributors` pushes the step needs. `lr`: the step's
+  // learning rate (ps::Frame::value): 0 for the servers' configured
+  // schedule, > 0 to replace it for this step (groups' lr_scale still
+  // multiplies it). In sync mode every push of a step, to every partition
+  // and again after a failure, must carry the same rate (the server refuses
+  // one that differs with INVALID_ARGUMENT); negative, NaN or Inf is
+  // refused.
   std::shared_ptr<PsOp> Push(uint32_t partition, uint64_t step, uint32_t contributor, uint32_t contributors,
-                             v1::WireDType dtype, const void* data, size_t bytes);
+                             v1::WireDType dtype, const void* data, size_t bytes, double lr = 0);
   // Parameters of `partition` once step `step` is applied (0: now), as
   // `dtype` (FP32 or BF16) into `dst` (the partition's elements times the
   // dtype's size). Asynchronous modes: with `contributors` set, the puller

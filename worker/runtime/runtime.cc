@@ -72,6 +72,8 @@ Result<std::unique_ptr<LocalOptimizer>> LocalOptimizer::Create(const v1::Optimiz
 Status LocalOptimizer::Step(std::span<float> params, std::span<const float> grads,
                             const std::vector<v1::TensorSpec>& tensors, bool* skipped, const NormCombiner& combine) {
   *skipped = false;
+  TANDEM_RETURN_IF_ERROR(
+      optim::Optimizer::CheckStepLearningRate(lr_).WithContext(fmt::format("update {}", updates_ + 1)));
   optim::GradScan scan = optim::ScanGradient(grads.data(), grads.size());
   // The norm counts the tensors of groups that count in it (not the copies
   // a tensor-parallel rank keeps of replicated tensors).
@@ -112,7 +114,7 @@ Status LocalOptimizer::Step(std::span<float> params, std::span<const float> grad
     const size_t o = t.flat_offset();
     optimizer_.Apply(params.data() + o, state0_.empty() ? nullptr : state0_.data() + o,
                      state1_.empty() ? nullptr : state1_.data() + o, grads.data() + o, n, updates_,
-                     optimizer_.Group(t.group()), coef);
+                     optimizer_.Group(t.group()), coef, lr_);
   }
   ++updates_;
   return Status::Ok();
@@ -880,6 +882,7 @@ Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const 
       "every worker pushes the step again: servers that applied it count the pushes as duplicates",
       step, lagging, which);
   step_ = step;
+  step_lr_ = grads_lr_;  // the learning rate the step was pushed with
   pulls_posted_ = false;
   for (auto& b : buckets_) {
     b->pushes.clear();
@@ -931,8 +934,16 @@ Status Runtime::ResyncAllReduce() {
   return Status::Ok();
 }
 
+void Runtime::SetStepLearningRate(double lr) {
+  lr_.store(lr);
+}
+
 void Runtime::GradientsReady(size_t ready_from) {
   if (!in_step_) return;
+  if (next_bucket_ == 0) {  // nothing of the step sent yet: the step's learning rate
+    step_lr_ = lr_.load();
+    if (local_) local_->set_learning_rate(step_lr_);
+  }
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_]->begin >= ready_from) {
     Bucket* b = buckets_[next_bucket_++].get();
     Enqueue([this, b] { return RunBucket(*b); });
@@ -985,7 +996,8 @@ Status Runtime::RunBucket(Bucket& b) {
       src = b.wire_out.data() + o.wire_offset;
       bytes = o.count * sizeof(uint16_t);
     }
-    b.pushes.push_back(ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes));
+    b.pushes.push_back(
+        ps->Push(o.partition, step_, o.contributor, o.contributors, options_.gradient_wire, src, bytes, step_lr_));
   }
   if (!b.owned.empty()) sent_step_ = std::max(sent_step_.load(), step_);
   if (!pulls_posted_ && !asynchronous()) {  // asynchronous: after the pushes are applied (EnqueueFinish)
@@ -1138,6 +1150,7 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   grads_step_ = sharded_ ? 0 : step_;
   grads_world_ = view_->rank.world_size();
   GradientsReady(0);
+  grads_lr_ = step_lr_;
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);
   loss_in_[2] = static_cast<float>(tokens);

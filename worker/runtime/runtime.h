@@ -267,19 +267,27 @@ class LocalOptimizer {
   using NormCombiner = std::function<Result<optim::GradScan>(const optim::GradScan& part)>;
   // One update from the summed gradient. A non-finite gradient skips the
   // update (*skipped = true) or fails, as the policy says. The clipping norm
-  // leaves out the groups excluded from it (exclude_from_grad_norm).
+  // leaves out the groups excluded from it (exclude_from_grad_norm). The
+  // learning rate is set_learning_rate's.
   Status Step(std::span<float> params, std::span<const float> grads, const std::vector<v1::TensorSpec>& tensors,
               bool* skipped, const NormCombiner& combine = nullptr);
   std::vector<float>& state0() { return state0_; }
   std::vector<float>& state1() { return state1_; }
   uint64_t updates() const { return updates_; }
   void set_updates(uint64_t updates) { updates_ = updates; }
+  // The job-wide learning rate of the following updates, as a push carries
+  // it to the servers (optim::Optimizer::Apply's step_lr): 0 (the default)
+  // for the schedule's, > 0 to replace it (groups' lr_scale still
+  // multiplies it). Step fails with INVALID_ARGUMENT on a negative, NaN or
+  // Inf rate.
+  void set_learning_rate(double lr) { lr_ = lr; }
 
  private:
   explicit LocalOptimizer(optim::Optimizer optimizer) : optimizer_(std::move(optimizer)) {}
   optim::Optimizer optimizer_;
   std::vector<float> state0_, state1_;
   uint64_t updates_ = 0;
+  double lr_ = 0;
 };
 
 class Runtime {
@@ -308,6 +316,19 @@ class Runtime {
   // Backward has made the gradients of [ready_from, end) final: buckets
   // inside it start communicating. Cheap; never blocks.
   void GradientsReady(size_t ready_from);
+
+  // The learning rate of the steps to come, valid until changed (a PyTorch
+  // LR scheduler's value, set before each step): 0 (the default) means the
+  // configured schedule's (RuntimeOptions::optimizer's lr_schedule), > 0
+  // replaces it for the job-wide rule (groups' lr_scale overrides still
+  // multiply it). Every mode applies it the same way: the server modes send
+  // it with each of the step's pushes (ps::Frame::value), pushes sent again
+  // after a failure included; allreduce mode gives it to the local
+  // optimizer. A step takes the value set when its first gradients are
+  // handed over (the first GradientsReady, or EndStep): set it before the
+  // step's backward. A negative, NaN or Inf rate fails the step with
+  // INVALID_ARGUMENT (fatal). Thread-safe.
+  void SetStepLearningRate(double lr);
 
   // Finishes the step: sends what is left, waits for the updated parameters
   // (written into the attached buffer; with overlap_parameter_landing only
@@ -496,6 +517,12 @@ class Runtime {
   // communication thread clears it.
   std::atomic<uint64_t> grads_step_{0};
   uint32_t grads_world_ = 0;  // how many workers pushed it
+  // The learning rate: as set (SetStepLearningRate); the current step's,
+  // taken from it when its first gradients are handed over (its pushes
+  // carry it); and grads_step_'s, which a push of that step again carries.
+  std::atomic<double> lr_{0};
+  double step_lr_ = 0;
+  double grads_lr_ = 0;
   float loss_in_[3] = {0, 0, 0};
   float loss_out_[3] = {0, 0, 0};
 
