@@ -65,6 +65,7 @@ ROW_KEYS = (
     "tandem_tokens_per_second",
     "ddp_tokens_per_second",
     "ratio",
+    "round_ratio",
     "exposed_comm_fraction",
     "tandem_step_ms",
     "tandem_compute_ms",
@@ -266,18 +267,24 @@ def exposed(summary):
 
 
 def make_rows(config, args, ddp_runs, tandem_runs, failures, cpu):
-    """One row per mode: medians over the rounds. ddp_runs: [result dict]; tandem_runs:
-    {mode: [summary dict]}; failures: {'ddp' or mode: count}."""
+    """One row per mode: medians over the rounds. ddp_runs: [result dict or None (failed)],
+    one per round; tandem_runs: {mode: [summary dict or None]} likewise; failures:
+    {'ddp' or mode: count}. `ratio` is the median of Tandem's over the median of DDP's;
+    `round_ratio` the median over the rounds of each round's Tandem / DDP (drift of the
+    machine's speed between rounds cancels in it)."""
     model = CONFIGS[config][0]
-    ddp_tps = median([r["tokens_per_second"] for r in ddp_runs])
-    params = next((r.get("parameters") for r in ddp_runs if r.get("parameters")), None)
+    ddp_ok = [r for r in ddp_runs if r]
+    ddp_tps = median([r["tokens_per_second"] for r in ddp_ok])
+    ddp_step = median([r.get("step_seconds_median") for r in ddp_ok])
+    params = next((r.get("parameters") for r in ddp_ok if r.get("parameters")), None)
     rows = []
     for mode in args.modes:
-        runs = tandem_runs.get(mode, [])
+        all_runs = tandem_runs.get(mode, [])
+        runs = [s for s in all_runs if s]
         tps = median([s["tokens_per_second"] for s in runs])
         step = median([s.get("step_seconds_median") for s in runs])
         compute = median([s.get("compute_seconds_median") for s in runs])
-        ddp_step = median([r.get("step_seconds_median") for r in ddp_runs])
+        per_round = [t["tokens_per_second"] / d["tokens_per_second"] for t, d in zip(all_runs, ddp_runs) if t and d]
         if params is None:
             params = next((s.get("parameters") for s in runs if s.get("parameters")), None)
         row = {
@@ -290,14 +297,15 @@ def make_rows(config, args, ddp_runs, tandem_runs, failures, cpu):
             "tandem_tokens_per_second": tps,
             "ddp_tokens_per_second": ddp_tps,
             "ratio": tps / ddp_tps if tps and ddp_tps else None,
+            "round_ratio": median(per_round),
             "exposed_comm_fraction": median([exposed(s) for s in runs]),
             "tandem_step_ms": step * 1e3 if step is not None else None,
             "tandem_compute_ms": compute * 1e3 if compute is not None else None,
             "ddp_step_ms": ddp_step * 1e3 if ddp_step is not None else None,
             "tandem_last_loss": median([s.get("last_loss") for s in runs]),
-            "ddp_last_loss": median([r.get("last_loss") for r in ddp_runs]),
-            "tandem_runs": [s["tokens_per_second"] for s in runs],
-            "ddp_runs": [r["tokens_per_second"] for r in ddp_runs],
+            "ddp_last_loss": median([r.get("last_loss") for r in ddp_ok]),
+            "tandem_runs": [s["tokens_per_second"] if s else None for s in all_runs],
+            "ddp_runs": [r["tokens_per_second"] if r else None for r in ddp_runs],
             "failures": failures.get(mode, 0) + failures.get("ddp", 0),
             "ddp_bucket_cap_mb": args.ddp_bucket_mb,
             "steps": args.steps,
@@ -328,9 +336,10 @@ def table_header(args, config, cpu):
         f"median of {args.rounds} round(s); DDP buckets {args.ddp_bucket_mb:g} MiB; CPU {cpu}, "
         f"{len(os.sched_getaffinity(0))} CPUs\n"
         "# tokens/s over steps 2..N on both sides; 'exposed' is the share of Tandem's step time spent waiting for "
-        "communication; step and compute (forward + backward) ms are Tandem's medians, DDP ms DDP's median step\n"
+        "communication; step and compute (forward + backward) ms are Tandem's medians, DDP ms DDP's median step;\n"
+        "# ratio: median tokens/s over DDP's median; rounds: the median of each round's ratio\n"
         f"{'mode':<10} {'params':>7} {'workers':>7} {'servers':>7} {'tandem tok/s':>12} {'DDP tok/s':>10} "
-        f"{'ratio':>6} {'exposed':>8} {'step ms':>8} {'compute':>8} {'DDP ms':>7} {'loss':>7} {'DDP loss':>8}"
+        f"{'ratio':>6} {'rounds':>6} {'exposed':>8} {'step ms':>8} {'compute':>8} {'DDP ms':>7} {'loss':>7} {'DDP loss':>8}"
     )
 
 
@@ -340,11 +349,12 @@ def format_row(row):
 
     params = f"{row['parameters'] / 1e6:.2f}M" if row["parameters"] else "-"
     ratio = f"{row['ratio']:.2f}x" if row["ratio"] is not None else "-"
+    rratio = f"{row['round_ratio']:.2f}x" if row["round_ratio"] is not None else "-"
     exp = f"{row['exposed_comm_fraction'] * 100:.1f}%" if row["exposed_comm_fraction"] is not None else "-"
     return (
         f"{row['mode']:<10} {params:>7} {row['workers']:>7} {row['servers']:>7} "
         f"{num(row['tandem_tokens_per_second'], '.0f', 12)} {num(row['ddp_tokens_per_second'], '.0f', 10)} "
-        f"{ratio:>6} {exp:>8} {num(row['tandem_step_ms'], '.1f', 8)} {num(row['tandem_compute_ms'], '.1f', 8)} "
+        f"{ratio:>6} {rratio:>6} {exp:>8} {num(row['tandem_step_ms'], '.1f', 8)} {num(row['tandem_compute_ms'], '.1f', 8)} "
         f"{num(row['ddp_step_ms'], '.1f', 7)} "
         f"{num(row['tandem_last_loss'], '.4f', 7)} {num(row['ddp_last_loss'], '.4f', 8)}"
     )
@@ -376,8 +386,8 @@ def main(argv=None):
         for r in range(1, args.rounds + 1):
             t = time.monotonic()
             res, err = measure_ddp(args, config)
+            ddp_runs.append(res)
             if res:
-                ddp_runs.append(res)
                 print(f"[{config} round {r}/{args.rounds}] DDP: {res['tokens_per_second']:.0f} tokens/s, "
                       f"loss {res['last_loss']:.4f} ({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
             else:
@@ -386,8 +396,8 @@ def main(argv=None):
             for mode in args.modes:
                 t = time.monotonic()
                 s, err = measure_tandem(args, config, mode)
+                tandem_runs[mode].append(s)
                 if s:
-                    tandem_runs[mode].append(s)
                     ex = exposed(s)
                     print(f"[{config} round {r}/{args.rounds}] tandem {mode}: {s['tokens_per_second']:.0f} tokens/s, "
                           f"exposed {ex * 100 if ex is not None else float('nan'):.1f}%, loss "
@@ -398,7 +408,7 @@ def main(argv=None):
                     print(f"[{config} round {r}/{args.rounds}] tandem {mode} failed: {err}", file=sys.stderr,
                           flush=True)
         rows = make_rows(config, args, ddp_runs, tandem_runs, failures, cpu)
-        failed = failed or any(r["failures"] for r in rows) or not ddp_runs
+        failed = failed or any(r["failures"] for r in rows) or not any(ddp_runs)
         if args.json:
             for row in rows:
                 print(format_json(row), flush=True)

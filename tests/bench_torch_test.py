@@ -93,12 +93,28 @@ class RowsTest(unittest.TestCase):
         self.assertEqual(hybrid["ddp_tokens_per_second"], 1100.0)
         self.assertAlmostEqual(hybrid["ratio"], 1400 / 1100)
         self.assertAlmostEqual(hybrid["exposed_comm_fraction"], 0.2)
+        # Each round's ratio: 1.5, 1.0833, 1.2727.
+        self.assertAlmostEqual(hybrid["round_ratio"], 1400 / 1100)
         self.assertEqual(hybrid["tandem_runs"], [1500.0, 1300.0, 1400.0])
         self.assertEqual((hybrid["cpu"], hybrid["rounds"], hybrid["config"]), ("Test CPU", 3, "default"))
         # A mode with no successful run has nulls, not zeros.
         self.assertEqual(allreduce["servers"], 0)
         self.assertIsNone(allreduce["tandem_tokens_per_second"])
         self.assertIsNone(allreduce["ratio"])
+
+    def test_a_failed_round_is_left_out_of_the_medians(self):
+        a = torch_bench.parse_args(["--modes", "ps", "--rounds", "3"])
+        ddp = [{"tokens_per_second": 100.0}, None, {"tokens_per_second": 300.0}]
+        tandem = {"ps": [{"tokens_per_second": 150.0}, {"tokens_per_second": 900.0}, None]}
+        (row,) = torch_bench.make_rows("comm-heavy", a, ddp, tandem, {"ddp": 1, "ps": 1}, "c")
+        self.assertEqual(row["ddp_tokens_per_second"], 200.0)
+        self.assertEqual(row["tandem_tokens_per_second"], 525.0)
+        self.assertEqual(row["round_ratio"], 1.5)  # only round 1 has both
+        self.assertEqual(row["tandem_runs"], [150.0, 900.0, None])
+        self.assertEqual(row["ddp_runs"], [100.0, None, 300.0])
+        self.assertEqual(row["failures"], 2)
+        self.assertTrue(json.loads(torch_bench.format_json(row)))
+        torch_bench.format_row(row)
 
     def test_json_and_table(self):
         for row in self.rows(failures={"allreduce": 3}):
