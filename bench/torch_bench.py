@@ -335,9 +335,10 @@ def table_header(args, config, cpu):
         + f"); {args.nodes} node(s) x {args.workers_per_node} worker(s), {args.servers} server(s), {args.steps} steps, "
         f"median of {args.rounds} round(s); DDP buckets {args.ddp_bucket_mb:g} MiB; CPU {cpu}, "
         f"{len(os.sched_getaffinity(0))} CPUs\n"
-        "# tokens/s over steps 2..N on both sides; 'exposed' is the share of Tandem's step time spent waiting for "
-        "communication; step and compute (forward + backward) ms are Tandem's medians, DDP ms DDP's median step;\n"
-        "# ratio: median tokens/s over DDP's median; rounds: the median of each round's ratio\n"
+        "# tokens/s: the global batch's tokens over steps 2..N, both sides; ratio: Tandem's median over DDP's median;\n"
+        "# rounds: the median of each round's ratio; exposed: share of Tandem's step time waiting for communication;\n"
+        "# step, compute: Tandem's median step and step less exposed communication (forward, backward and, in\n"
+        "# allreduce mode, the local optimizer); DDP ms: DDP's median step; loss: the last step's\n"
         f"{'mode':<10} {'params':>7} {'workers':>7} {'servers':>7} {'tandem tok/s':>12} {'DDP tok/s':>10} "
         f"{'ratio':>6} {'rounds':>6} {'exposed':>8} {'step ms':>8} {'compute':>8} {'DDP ms':>7} {'loss':>7} {'DDP loss':>8}"
     )

@@ -311,8 +311,8 @@ def main(argv=None):
         idx = plan.samples
         opt.zero_grad()
         loss = train_step(model, opt, data, idx, args.accumulation)
-        # Reported before opt.step(), the figures travel with the step's own
-        # reduction (after it they cost one more).
+        # This rank's figures; tandem.torch sums them over the ranks for the
+        # progress line, the metrics and `tandem run`'s summary.
         tt.report(loss=loss, samples=len(idx), tokens=len(idx) * args.context)
         opt.step()
         scheduler.step()
