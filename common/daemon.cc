@@ -122,63 +122,93 @@ void Daemon::SetShutdownHandler(std::function<void()> handler) {
   shutdown_handler_ = std::move(handler);
 }
 
-int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
-  // First, before any thread exists, so every thread inherits the blocked signals.
-  ShutdownSignal shutdown;
-
+Result<std::unique_ptr<RunningDaemon>> RunningDaemon::Start(const std::vector<std::string>& args,
+                                                            const DaemonSpec& spec, std::function<void()> on_shutdown,
+                                                            std::string* output) {
   DaemonConfig config = spec.defaults;
   OptionSet options(spec.program, spec.summary);
   options.EnableConfigFile();
   DeclareDaemonOptions(options, &config);
   if (spec.declare) spec.declare(options);
   options.SetEpilog(spec.epilog);
-  std::string output;
-  auto parsed = options.Parse(argc, argv, &output);
-  if (!parsed.ok()) {
-    fmt::print(stderr, "{}: {}\n", spec.program, parsed.status().message());
-    return 2;
-  }
-  if (*parsed == OptionSet::Outcome::kExit) {
-    fmt::print("{}", output);
-    return 0;
-  }
+  std::vector<char*> argv;
+  std::vector<std::string> copy = args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  auto parsed = options.Parse(static_cast<int>(copy.size()), argv.data(), output);
+  if (!parsed.ok()) return InvalidArgument("{}", parsed.status().message());
+  if (*parsed == OptionSet::Outcome::kExit) return std::unique_ptr<RunningDaemon>();
   if (Status s = SetupLogging(config.name.empty() ? spec.role : config.name, config.log_level); !s.ok()) {
-    fmt::print(stderr, "{}: {}\n", spec.program, s.message());
-    return 2;
+    return InvalidArgument("{}", s.message());
   }
   spdlog::info("{} {} starting (pid {})", spec.program, TANDEM_VERSION, getpid());
 
-  Daemon daemon(spec.role, config);
-  daemon.SetShutdownHandler([&shutdown] { shutdown.RequestShutdown(); });
-  bool started = false;
-  const auto fail = [&](const Status& s, std::string_view what) {
+  std::unique_ptr<RunningDaemon> running(new RunningDaemon(spec, config));
+  Daemon& daemon = running->daemon_;
+  daemon.SetShutdownHandler(std::move(on_shutdown));
+  const auto fail = [&](const Status& s, std::string_view what) -> Status {
     spdlog::error("{}: {}", what, s.message());
     // What `started` began (threads that use the daemon) ends before the daemon does.
-    if (started && spec.stopping) spec.stopping(daemon);
+    if (running->started_ && spec.stopping) spec.stopping(daemon);
+    running->stopped_ = true;
     daemon.Stop();
-    return 1;
+    return Status(s.code() == StatusCode::kInvalidArgument ? StatusCode::kFailedPrecondition : s.code(),
+                  fmt::format("{}: {}", what, s.message()));
   };
   if (spec.setup) {
     if (Status s = spec.setup(daemon); !s.ok()) return fail(s, "setup failed");
   }
   if (Status s = daemon.Start(); !s.ok()) return fail(s, "cannot start");
   if (spec.started) {
-    started = true;
+    running->started_ = true;
     if (Status s = spec.started(daemon); !s.ok()) return fail(s, "cannot start");
   }
   if (Status s = daemon.WriteReadyFile(); !s.ok()) return fail(s, "cannot start");
+  return running;
+}
 
-  shutdown.Wait();
-  const auto begin = std::chrono::steady_clock::now();
-  if (spec.stopping) spec.stopping(daemon);
-  daemon.Stop();
-  const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
-  if (Status failed = daemon.failure(); !failed.ok()) {
-    spdlog::error("stopped after a failure: {}", failed.ToString());
-    return 1;
+RunningDaemon::RunningDaemon(const DaemonSpec& spec, const DaemonConfig& config)
+    : stopping_(spec.stopping), daemon_(spec.role, config) {}
+
+RunningDaemon::~RunningDaemon() {
+  (void)Shutdown();  // the failure, if any, is logged
+}
+
+Status RunningDaemon::Shutdown() {
+  if (!stopped_) {
+    stopped_ = true;
+    const auto begin = std::chrono::steady_clock::now();
+    if (started_ && stopping_) stopping_(daemon_);
+    daemon_.Stop();
+    const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
+    if (Status failed = daemon_.failure(); !failed.ok()) {
+      spdlog::error("stopped after a failure: {}", failed.ToString());
+    } else {
+      spdlog::info("stopped cleanly in {} ms", took.count());
+    }
   }
-  spdlog::info("stopped cleanly in {} ms", took.count());
-  return 0;
+  return daemon_.failure();
+}
+
+int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
+  // First, before any thread exists, so every thread inherits the blocked signals.
+  ShutdownSignal shutdown;
+  std::string output;
+  auto running = RunningDaemon::Start(
+      std::vector<std::string>(argv, argv + argc), spec, [&shutdown] { shutdown.RequestShutdown(); }, &output);
+  if (!running.ok()) {
+    if (running.status().code() == StatusCode::kInvalidArgument) {
+      fmt::print(stderr, "{}: {}\n", spec.program, running.status().message());
+      return 2;
+    }
+    return 1;  // logged by Start
+  }
+  if (*running == nullptr) {
+    fmt::print("{}", output);
+    return 0;
+  }
+  shutdown.Wait();
+  return (*running)->Shutdown().ok() ? 0 : 1;
 }
 
 }  // namespace tandem

@@ -105,6 +105,39 @@ struct DaemonSpec {
   std::function<void(Daemon&)> stopping;
 };
 
+// A daemon started and stopped by its caller, for a process whose main
+// thread is not the daemon's (the Python front end runs the training loop on
+// it). Start parses `args` (args[0] is the program name) and does what
+// RunDaemon does up to the ready file; `on_shutdown` is called (from any
+// thread) when the daemon asks to shut down: a failure, or RequestShutdown.
+// Returns null after --help or --version, with the text in *output;
+// INVALID_ARGUMENT for bad flags or configuration (the message names the key);
+// another error when the daemon could not start (already logged, and what
+// started is stopped).
+class RunningDaemon {
+ public:
+  static Result<std::unique_ptr<RunningDaemon>> Start(const std::vector<std::string>& args, const DaemonSpec& spec,
+                                                      std::function<void()> on_shutdown, std::string* output);
+  ~RunningDaemon();
+  RunningDaemon(const RunningDaemon&) = delete;
+  RunningDaemon& operator=(const RunningDaemon&) = delete;
+
+  Daemon& daemon() { return daemon_; }
+  // The clean shutdown RunDaemon does after SIGTERM (the spec's stopping,
+  // then Daemon::Stop); returns the failure the daemon stopped for (OK after
+  // a clean shutdown). Idempotent; main-thread only, as Start.
+  Status Shutdown();
+
+ private:
+  RunningDaemon(const DaemonSpec& spec, const DaemonConfig& config);
+  std::function<void(Daemon&)> stopping_;
+  Daemon daemon_;
+  bool started_ = false;
+  bool stopped_ = false;
+};
+
+// main() of a daemon: RunningDaemon::Start, then waits for SIGTERM or SIGINT
+// (or RequestShutdown) and shuts down. Returns the exit code.
 int RunDaemon(int argc, char** argv, const DaemonSpec& spec);
 
 }  // namespace tandem
