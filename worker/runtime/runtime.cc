@@ -306,7 +306,8 @@ Status Runtime::BindStage(const DataPlane::EpochView& view) {
                     buffers->base + buffers->params.size(), (*bounds)[part], (*bounds)[part + 1]);
   }
   if (options_.mode == TrainingMode::kAllReduce) {
-    auto local = LocalOptimizer::Create(OptimizerFor(tp), buffers->params.size());
+    // An external optimizer keeps its own state: the local one only counts updates.
+    auto local = LocalOptimizer::Create(OptimizerFor(tp), options_.external_optimizer ? 0 : buffers->params.size());
     if (!local.ok()) return local.status().WithContext("optimizer");
     local_ = std::move(*local);
   }
@@ -898,6 +899,34 @@ Result<bool> Runtime::PushStepAgainIfWhole(uint64_t step, size_t lagging, const 
   return true;
 }
 
+Status Runtime::BroadcastExternalState(int root) {
+  const auto& external = *options_.external_optimizer;
+  const bool sender = dp_->rank() == root;
+  std::string state;
+  if (sender) {
+    auto saved = external.save();
+    // Fatal (INVALID_ARGUMENT): the others would wait for a state that never comes; they fail with the broadcast.
+    if (!saved.ok()) return InvalidArgument("saving the optimizer's state to send it: {}", saved.status().message());
+    state = std::move(*saved);
+  }
+  int64_t bytes = static_cast<int64_t>(state.size());
+  TANDEM_RETURN_IF_ERROR(
+      dp_->Broadcast(&bytes, 1, comm::DType::kInt64, root).WithContext("broadcasting the optimizer state's size"));
+  if (bytes < 0 || bytes > (int64_t{1} << 40)) return DataLoss("the optimizer state sent is {} bytes", bytes);
+  // Whole 4-byte words: the collectives move typed elements.
+  std::vector<int32_t> words((static_cast<size_t>(bytes) + 3) / 4, 0);
+  if (sender && bytes > 0) std::memcpy(words.data(), state.data(), state.size());
+  if (!words.empty()) {
+    TANDEM_RETURN_IF_ERROR(dp_->Broadcast(words.data(), words.size(), comm::DType::kInt32, root)
+                               .WithContext("broadcasting the optimizer state"));
+  }
+  if (sender) return Status::Ok();
+  Status loaded =
+      external.load(std::string_view(reinterpret_cast<const char*>(words.data()), static_cast<size_t>(bytes)));
+  if (!loaded.ok()) return InvalidArgument("loading the optimizer state received: {}", loaded.message());
+  return Status::Ok();
+}
+
 Status Runtime::ResyncAllReduce() {
   int64_t mine = static_cast<int64_t>(completed_);
   int64_t agreed = 0;
@@ -929,6 +958,7 @@ Status Runtime::ResyncAllReduce() {
   TANDEM_RETURN_IF_ERROR(
       dp_->Broadcast(&updates, 1, comm::DType::kInt64, r).WithContext("broadcasting the optimizer's update count"));
   local_->set_updates(static_cast<uint64_t>(updates));
+  if (options_.external_optimizer) TANDEM_RETURN_IF_ERROR(BroadcastExternalState(r));
   completed_ = static_cast<uint64_t>(agreed);
   stage_valid_ = true;
   return Status::Ok();
@@ -1184,7 +1214,9 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
     synced_epoch_ = 0;  // the next step resynchronises
     return status;
   }
-  if (options_.mode == TrainingMode::kAllReduce) {
+  if (options_.mode == TrainingMode::kAllReduce && options_.external_optimizer) {
+    local_->set_updates(local_->updates() + 1);  // the caller applies it
+  } else if (options_.mode == TrainingMode::kAllReduce) {
     const auto t0 = Clock::now();
     LocalOptimizer::NormCombiner combine;
     if (stages_ * tp_size_ > 1) {
@@ -1220,6 +1252,15 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   completed_ = step_;
   plane_.ReportStep(completed_);
   return result;
+}
+
+Status Runtime::AllReduceBetweenSteps(float* values, size_t count) {
+  if (in_step_) return FailedPrecondition("AllReduceBetweenSteps during a step");
+  if (synced_epoch_ == 0 || world_ == nullptr) return FailedPrecondition("no synced epoch to reduce over");
+  std::vector<float> sum(count);
+  TANDEM_RETURN_IF_ERROR(world_->AllReduce(values, sum.data(), count, comm::DType::kFloat32, comm::ReduceOp::kSum));
+  std::copy(sum.begin(), sum.end(), values);
+  return Status::Ok();
 }
 
 void Runtime::AbandonStep(const Status& why) {

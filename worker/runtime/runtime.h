@@ -99,6 +99,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -174,6 +175,19 @@ struct RuntimeOptions {
   // mesh (tp = pp = 1) never wait for each other during a step (see
   // "Asynchronous modes" above).
   v1::ConsistencyConfig consistency;
+  // Allreduce mode: the caller applies its own optimizer (the PyTorch front
+  // end runs the user's torch.optim optimizer). EndStep then leaves the
+  // gradient summed over the data-parallel group in the gradient buffer and
+  // changes no parameter; `optimizer` is only checked. After a membership
+  // change the rank that broadcasts the parameters also sends its optimizer
+  // state: `save` serialises it there, and `load` restores it on every other
+  // rank of the group. Called on the training thread, inside BeginStep; an
+  // error from either ends training (a state that cannot be carried over).
+  struct ExternalOptimizer {
+    std::function<Result<std::string>()> save;
+    std::function<Status(std::string_view)> load;
+  };
+  std::optional<ExternalOptimizer> external_optimizer;
 };
 
 // What BeginStep tells the training loop.
@@ -389,6 +403,12 @@ class Runtime {
   // Waits until every parameter server has written checkpoint `id`
   // completely; an error names a server that failed, or the deadline.
   Status WaitForCheckpoint(const std::string& id, std::chrono::steady_clock::time_point deadline);
+  // Sums `values` over the workers of the synced epoch (the world group), in
+  // place. Only between steps (after EndStep, before the next backward), when
+  // no collective of the runtime's is in flight; for figures a training loop
+  // learns after its step (the PyTorch front end's report()). An error
+  // (a membership change) leaves the values alone; training is unaffected.
+  Status AllReduceBetweenSteps(float* values, size_t count);
   // Fails whatever waits and makes BeginStep return CANCELLED.
   void Stop();
 
@@ -418,6 +438,8 @@ class Runtime {
            options_.consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
   }
   Status ResyncAllReduce();
+  // Allreduce mode with an external optimizer: `root` of the dp group sends its state.
+  Status BroadcastExternalState(int root);
   Status PlanBuckets(const DataPlane::EpochView& view);
   Status RunBucket(Bucket& bucket);
   void PostPulls();

@@ -31,11 +31,6 @@ double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
 }
 
-// Seconds since the Unix epoch, for the progress file and the sample log.
-double WallSeconds() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
 Result<v1::WireDType> ParseWire(const std::string& name, const char* key) {
   if (name == "fp32") return v1::WIRE_DTYPE_FP32;
   if (name == "bf16") return v1::WIRE_DTYPE_BF16;
@@ -445,91 +440,6 @@ Status WriteFinalParams(Setup& s, Runtime& runtime, const StepPlan& plan, const 
   });
 }
 
-struct TrainMetrics {
-  explicit TrainMetrics(prometheus::Registry& r)
-      : step(prometheus::BuildGauge()
-                 .Name("tandem_train_step")
-                 .Help("The last training step this worker completed.")
-                 .Register(r)
-                 .Add({})),
-        loss(prometheus::BuildGauge()
-                 .Name("tandem_train_loss")
-                 .Help("The global training loss of the last completed step (mean over the global batch).")
-                 .Register(r)
-                 .Add({})),
-        tokens_per_second(prometheus::BuildGauge()
-                              .Name("tandem_train_tokens_per_second")
-                              .Help("Tokens of the global batch per second of the last step's wall time.")
-                              .Register(r)
-                              .Add({})),
-        samples_per_second(prometheus::BuildGauge()
-                               .Name("tandem_train_samples_per_second")
-                               .Help("Sequences of the global batch per second of the last step's wall time.")
-                               .Register(r)
-                               .Add({})),
-        world_size(prometheus::BuildGauge()
-                       .Name("tandem_train_world_size")
-                       .Help("Workers in the epoch of the last completed step.")
-                       .Register(r)
-                       .Add({})),
-        exposed_ratio(prometheus::BuildGauge()
-                          .Name("tandem_train_exposed_comm_ratio")
-                          .Help("Fraction of the last step's time spent waiting for communication after backward and "
-                                "for parameters still arriving during forward.")
-                          .Register(r)
-                          .Add({})),
-        step_seconds(prometheus::BuildHistogram()
-                         .Name("tandem_train_step_seconds")
-                         .Help("Wall time of completed training steps.")
-                         .Register(r)
-                         .Add({}, prometheus::Histogram::BucketBoundaries{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
-                                                                          2.5, 5, 10})),
-        steps(prometheus::BuildCounter()
-                  .Name("tandem_train_steps_total")
-                  .Help("Training steps this worker completed.")
-                  .Register(r)
-                  .Add({})),
-        failures(prometheus::BuildCounter()
-                     .Name("tandem_train_step_failures_total")
-                     .Help("Step attempts that failed (membership changes, lost peers) and were retried.")
-                     .Register(r)
-                     .Add({})),
-        tokens(prometheus::BuildCounter()
-                   .Name("tandem_train_tokens_total")
-                   .Help("Tokens of the global batches of the steps this worker completed.")
-                   .Register(r)
-                   .Add({})),
-        samples(prometheus::BuildCounter()
-                    .Name("tandem_train_samples_total")
-                    .Help("Sequences of the global batches of the steps this worker completed.")
-                    .Register(r)
-                    .Add({})),
-        comm_seconds(prometheus::BuildCounter()
-                         .Name("tandem_train_comm_seconds_total")
-                         .Help("Time the communication thread worked on completed steps.")
-                         .Register(r)
-                         .Add({})),
-        exposed_seconds(prometheus::BuildCounter()
-                            .Name("tandem_train_exposed_comm_seconds_total")
-                            .Help("Time completed steps waited for communication after backward and for parameters "
-                                  "still arriving during forward.")
-                            .Register(r)
-                            .Add({})) {}
-  prometheus::Gauge& step;
-  prometheus::Gauge& loss;
-  prometheus::Gauge& tokens_per_second;
-  prometheus::Gauge& samples_per_second;
-  prometheus::Gauge& world_size;
-  prometheus::Gauge& exposed_ratio;
-  prometheus::Histogram& step_seconds;
-  prometheus::Counter& steps;
-  prometheus::Counter& failures;
-  prometheus::Counter& tokens;
-  prometheus::Counter& samples;
-  prometheus::Counter& comm_seconds;
-  prometheus::Counter& exposed_seconds;
-};
-
 }  // namespace
 
 void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
@@ -823,6 +733,97 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
   return r;
 }
 
+double WallSeconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+TrainMetrics::TrainMetrics(prometheus::Registry& r)
+    : step(prometheus::BuildGauge()
+               .Name("tandem_train_step")
+               .Help("The last training step this worker completed.")
+               .Register(r)
+               .Add({})),
+      loss(prometheus::BuildGauge()
+               .Name("tandem_train_loss")
+               .Help("The global training loss of the last completed step (mean over the global batch).")
+               .Register(r)
+               .Add({})),
+      tokens_per_second(prometheus::BuildGauge()
+                            .Name("tandem_train_tokens_per_second")
+                            .Help("Tokens of the global batch per second of the last step's wall time.")
+                            .Register(r)
+                            .Add({})),
+      samples_per_second(prometheus::BuildGauge()
+                             .Name("tandem_train_samples_per_second")
+                             .Help("Sequences of the global batch per second of the last step's wall time.")
+                             .Register(r)
+                             .Add({})),
+      world_size(prometheus::BuildGauge()
+                     .Name("tandem_train_world_size")
+                     .Help("Workers in the epoch of the last completed step.")
+                     .Register(r)
+                     .Add({})),
+      exposed_ratio(prometheus::BuildGauge()
+                        .Name("tandem_train_exposed_comm_ratio")
+                        .Help("Fraction of the last step's time spent waiting for communication after backward and "
+                              "for parameters still arriving during forward.")
+                        .Register(r)
+                        .Add({})),
+      step_seconds(prometheus::BuildHistogram()
+                       .Name("tandem_train_step_seconds")
+                       .Help("Wall time of completed training steps.")
+                       .Register(r)
+                       .Add({}, prometheus::Histogram::BucketBoundaries{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
+                                                                        2.5, 5, 10})),
+      steps(prometheus::BuildCounter()
+                .Name("tandem_train_steps_total")
+                .Help("Training steps this worker completed.")
+                .Register(r)
+                .Add({})),
+      failures(prometheus::BuildCounter()
+                   .Name("tandem_train_step_failures_total")
+                   .Help("Step attempts that failed (membership changes, lost peers) and were retried.")
+                   .Register(r)
+                   .Add({})),
+      tokens(prometheus::BuildCounter()
+                 .Name("tandem_train_tokens_total")
+                 .Help("Tokens of the global batches of the steps this worker completed.")
+                 .Register(r)
+                 .Add({})),
+      samples(prometheus::BuildCounter()
+                  .Name("tandem_train_samples_total")
+                  .Help("Sequences of the global batches of the steps this worker completed.")
+                  .Register(r)
+                  .Add({})),
+      comm_seconds(prometheus::BuildCounter()
+                       .Name("tandem_train_comm_seconds_total")
+                       .Help("Time the communication thread worked on completed steps.")
+                       .Register(r)
+                       .Add({})),
+      exposed_seconds(prometheus::BuildCounter()
+                          .Name("tandem_train_exposed_comm_seconds_total")
+                          .Help("Time completed steps waited for communication after backward and for parameters "
+                                "still arriving during forward.")
+                          .Register(r)
+                          .Add({})) {}
+
+void TrainMetrics::Record(const StepRecord& record) {
+  step.Set(static_cast<double>(record.step));
+  loss.Set(record.loss);
+  world_size.Set(record.world_size);
+  if (record.step_seconds > 0) {
+    tokens_per_second.Set(static_cast<double>(record.tokens) / record.step_seconds);
+    samples_per_second.Set(static_cast<double>(record.samples) / record.step_seconds);
+    exposed_ratio.Set(record.exposed_seconds / record.step_seconds);
+  }
+  step_seconds.Observe(record.step_seconds);
+  steps.Increment();
+  tokens.Increment(static_cast<double>(record.tokens));
+  samples.Increment(static_cast<double>(record.samples));
+  comm_seconds.Increment(record.comm_seconds);
+  exposed_seconds.Increment(record.exposed_seconds);
+}
+
 std::string ToJson(const StepRecord& r) {
   return fmt::format(
       "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
@@ -1073,20 +1074,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     record.parameter_bytes = result->parameter_bytes;
     retries = 0;
     completed_step = record.step;
-    if (metrics) {
-      metrics->step.Set(static_cast<double>(record.step));
-      metrics->loss.Set(record.loss);
-      metrics->world_size.Set(record.world_size);
-      metrics->tokens_per_second.Set(static_cast<double>(record.tokens) / record.step_seconds);
-      metrics->samples_per_second.Set(static_cast<double>(record.samples) / record.step_seconds);
-      metrics->exposed_ratio.Set(record.exposed_seconds / record.step_seconds);
-      metrics->step_seconds.Observe(record.step_seconds);
-      metrics->steps.Increment();
-      metrics->tokens.Increment(static_cast<double>(record.tokens));
-      metrics->samples.Increment(static_cast<double>(record.samples));
-      metrics->comm_seconds.Increment(record.comm_seconds);
-      metrics->exposed_seconds.Increment(record.exposed_seconds);
-    }
+    if (metrics) metrics->Record(record);
     report(record);
     if (every > 0 && plan->rank == 0 && record.step % every == 0 && record.step < last_step) {
       // Before the next step begins, so no server can be past this one.

@@ -37,8 +37,11 @@
 #include "worker/runtime/runtime.h"
 
 namespace prometheus {
+class Counter;
+class Gauge;
+class Histogram;
 class Registry;
-}
+}  // namespace prometheus
 
 namespace tandem::worker {
 
@@ -123,6 +126,28 @@ struct StepRecord {
 };
 // The record as one JSON line (no newline).
 std::string ToJson(const StepRecord& record);
+// Seconds since the Unix epoch (the progress file's and the sample log's "time").
+double WallSeconds();
+
+// The step metrics (tandem_train_*, docs/metrics.md) of a training loop.
+struct TrainMetrics {
+  explicit TrainMetrics(prometheus::Registry& r);
+  // A completed step.
+  void Record(const StepRecord& record);
+  prometheus::Gauge& step;
+  prometheus::Gauge& loss;
+  prometheus::Gauge& tokens_per_second;
+  prometheus::Gauge& samples_per_second;
+  prometheus::Gauge& world_size;
+  prometheus::Gauge& exposed_ratio;
+  prometheus::Histogram& step_seconds;
+  prometheus::Counter& steps;
+  prometheus::Counter& failures;  // step attempts that failed and were retried
+  prometheus::Counter& tokens;
+  prometheus::Counter& samples;
+  prometheus::Counter& comm_seconds;
+  prometheus::Counter& exposed_seconds;
+};
 
 struct TrainerHooks {
   std::function<void(const StepRecord&)> on_step;
