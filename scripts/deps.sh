@@ -32,6 +32,9 @@ PACKAGES=(
   # promtool checks the /metrics pages and the rules in tests, and the Prometheus
   # test runs the server (a python3 script); openssl makes test certificates
   prometheus python3 openssl
+  # the PyTorch front end (python/): Debian's torch for /usr/bin/python3, its
+  # headers and pybind11 for the extension module
+  python3-torch python3-dev pybind11-dev
   # network namespaces for multi-node tests
   iproute2 procps
   # the Helm chart test: Node.js runs it and fetches its tools (npm), unzip unpacks helm

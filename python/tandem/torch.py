@@ -1,0 +1,1171 @@
+"""tandem.torch: train a PyTorch model on Tandem (docs/pytorch.md).
+
+A training script becomes a Tandem worker with a few lines::
+
+    import tandem.torch as tt
+    tt.init()
+    model = Net()
+    opt = tt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+                                  named_parameters=model.named_parameters())
+    for plan in tt.steps(1000, global_batch=64):
+        x, y = batch(plan.samples)           # this rank's share of the step's global batch
+        opt.zero_grad()
+        loss = loss_fn(model(x), y)          # the mean over this rank's samples
+        loss.backward()                      # gradients leave in buckets during backward
+        opt.step()                           # on the servers (hybrid, ps) or locally (allreduce)
+        tt.report(loss=loss.item(), samples=len(plan.samples))
+
+Under ``tandem run --script`` (or with a coordinator named in the flags) the
+process registers with the coordinator, serves gRPC health and /metrics and
+joins the job's membership epochs like any tandem-worker. Without either it
+runs alone (one process, the wrapped optimizer stepping locally), so the same
+script trains unchanged as a single process.
+
+Membership changes are hidden by ``steps()``: when a worker dies or joins,
+the step in flight fails, the parameters are resynchronised (from the
+servers, or from a surviving worker in allreduce mode, with the optimizer's
+and the LR schedulers' state) and the same step is yielded again with the new
+rank and world size, so no update is lost or applied twice and every sample
+of the step is trained once.
+"""
+
+import atexit
+import contextlib
+import io
+import json
+import math
+import os
+import signal
+import sys
+import time
+import warnings
+import weakref
+
+import torch
+
+from . import TandemError, _tandem
+from . import builtin_corpus  # noqa: F401  (re-exported: tandem.torch.builtin_corpus)
+
+__all__ = [
+    "init",
+    "shutdown",
+    "config",
+    "rank",
+    "world_size",
+    "is_distributed",
+    "DistributedOptimizer",
+    "steps",
+    "report",
+    "Plan",
+    "Config",
+    "TandemError",
+    "builtin_corpus",
+]
+
+_MODES = ("hybrid", "allreduce", "ps")
+# The learning rate a push carries for a step whose rate is exactly 0: the
+# wire reserves 0 for "the servers' own schedule". In fp32 it rounds to 0.
+_ZERO_LR = 5e-324
+
+
+class Config:
+    """The worker's train.* configuration (flags, YAML, or `tandem run`'s)."""
+
+    def __init__(self, values):
+        self._values = dict(values)
+        for key, value in values.items():
+            setattr(self, key, value)
+
+    def __repr__(self):
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in sorted(self._values.items())) + ")"
+
+
+# The defaults of a single process (train.* defaults of a tandem-worker).
+_LOCAL_CONFIG = {
+    "steps": 0,
+    "mode": "hybrid",
+    "data": "",
+    "seed": 1,
+    "global_batch": 16,
+    "accumulation": 1,
+    "consistency": "sync",
+    "staleness_bound": 2,
+    "max_grad_norm": 0.0,
+    "bucket_bytes": 1 << 20,
+    "gradient_wire": "fp32",
+    "parameter_wire": "fp32",
+    "step_timeout_ms": 60000,
+    "epoch_wait_ms": 60000,
+    "progress_file": "",
+    "params_out": "",
+    "sample_log": "",
+    "checkpoint_dir": "",
+    "checkpoint_every": 0,
+    "resume_from": "",
+}
+
+
+class _Session:
+    def __init__(self, worker, cfg, describe):
+        self.worker = worker  # None: a single process
+        self.config = cfg
+        self.describe = describe  # TANDEM_DESCRIBE: write the model's size and exit
+        self.optimizer = None
+        self.plan = None
+        self.last_plan = None
+        self.exit_code = None
+
+
+_session = None
+
+
+def _flags_from_env():
+    text = os.environ.get("TANDEM_WORKER_FLAGS")
+    if not text:
+        return None
+    try:
+        flags = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"TANDEM_WORKER_FLAGS is not a JSON array of strings: {e}") from None
+    if not isinstance(flags, list) or not all(isinstance(f, str) for f in flags):
+        raise ValueError("TANDEM_WORKER_FLAGS is not a JSON array of strings")
+    return flags
+
+
+def init(args=None):
+    """Makes this process a Tandem worker, or a single process.
+
+    ``args`` are tandem-worker flags (``["--coordinator-address", "host:7400",
+    "--config", "worker.yaml", ...]``; ``tandem-worker --help`` lists them),
+    added after those in the environment variable ``TANDEM_WORKER_FLAGS``
+    (a JSON array, set by ``tandem run --script``). With neither, the process
+    trains alone. Returns the configuration (as ``config()``).
+    """
+    global _session
+    if _session is not None:
+        return _session.config
+    flags = _flags_from_env()
+    if args is not None:
+        flags = (flags or []) + [str(a) for a in args]
+    describe = os.environ.get("TANDEM_DESCRIBE") or None
+    if flags is None or describe:
+        cfg = dict(_LOCAL_CONFIG)
+        if flags and describe:
+            # Describing the model for the launcher: the train.* flags that
+            # shape it, without starting a worker.
+            cfg.update(_train_flags(flags))
+        _session = _Session(None, Config(cfg), describe)
+        return _session.config
+    worker = _tandem.Worker(["tandem-worker (python)"] + flags)
+    if not worker.running:  # --help or --version
+        print(worker.help, end="")
+        sys.exit(0)
+    _session = _Session(worker, Config(worker.train_config()), None)
+    _install_signal_handlers(worker)
+    atexit.register(_shutdown_at_exit)
+    return _session.config
+
+
+def _train_flags(flags):
+    """The train.* values among tandem-worker flags (for describe mode)."""
+    out = {}
+    i = 0
+    while i < len(flags):
+        flag = flags[i]
+        value = None
+        if flag.startswith("--train-"):
+            if "=" in flag:
+                flag, value = flag.split("=", 1)
+            elif i + 1 < len(flags):
+                value = flags[i + 1]
+                i += 1
+            key = flag[len("--train-") :].replace("-", "_")
+            if key in _LOCAL_CONFIG and value is not None:
+                kind = type(_LOCAL_CONFIG[key])
+                try:
+                    out[key] = kind(value) if kind is not bool else value == "true"
+                except ValueError:
+                    pass
+        i += 1
+    return out
+
+
+def _install_signal_handlers(worker):
+    if os.name != "posix":
+        return
+    try:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:
+        # Not the main thread: signals keep Python's handlers.
+        return
+    worker.watch_wakeup_fd(r)
+
+    def on_signal(signum, frame):
+        # The runtime is already stopped (the C++ side watches the wakeup
+        # fd); end the training loop here.
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def shutdown():
+    """Leaves the job and stops the worker (also at exit). Returns the exit code a tandem-worker would give."""
+    global _session
+    s = _session
+    if s is None or s.worker is None:
+        return 0
+    if s.exit_code is None:
+        # A SIGTERM now (`tandem run` stopping the cluster) finds the worker
+        # leaving already: nothing more to interrupt.
+        # Ignored (not a Python handler): Python's finalisation puts its own
+        # handlers back to the default, which a late SIGTERM would die of.
+        with contextlib.suppress(ValueError):
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        s.exit_code = s.worker.shutdown()
+    return s.exit_code
+
+
+def _shutdown_at_exit():
+    if shutdown() != 0:
+        # The daemon stopped for a failure: exit 1 as a tandem-worker would.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def _require_session():
+    if _session is None:
+        init()
+    return _session
+
+
+def config():
+    """The worker's train.* configuration (steps, global_batch, seed, data, mode, ...)."""
+    return _require_session().config
+
+
+def is_distributed():
+    """Whether this process is a worker of a Tandem job (False: a single process)."""
+    return _require_session().worker is not None
+
+
+def rank():
+    """This worker's global rank in the current step's epoch (0 alone)."""
+    p = _require_session().last_plan
+    return p.rank if p is not None else 0
+
+
+def world_size():
+    """Workers in the current step's epoch (1 alone)."""
+    p = _require_session().last_plan
+    return p.world_size if p is not None else 1
+
+
+class Plan:
+    """One step as ``steps()`` yields it.
+
+    ``step`` (1-based), ``epoch``, ``rank`` and ``world_size`` (this
+    worker's), ``dp_rank``/``dp_size`` (its data-parallel rank and size),
+    ``samples`` (a ``range`` of global sample indices: this rank's contiguous
+    share of the step's global batch ``[(step-1)*B, step*B)``), ``share``
+    (``len(samples) / B``), ``resynced`` (parameters were reloaded for this
+    step: after a membership change) and ``attempt`` (0, or how many times
+    this step failed before).
+    """
+
+    def __init__(self, step, epoch, rank, world_size, dp_rank, dp_size, global_batch, resynced, attempt):
+        self.step = step
+        self.epoch = epoch
+        self.rank = rank
+        self.world_size = world_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.global_batch = global_batch
+        first = (step - 1) * global_batch
+        self.samples = range(
+            first + global_batch * dp_rank // dp_size, first + global_batch * (dp_rank + 1) // dp_size
+        )
+        self.share = len(self.samples) / global_batch
+        self.resynced = resynced
+        self.attempt = attempt
+        # Filled in during the step.
+        self.completed = False
+        self.failed = False
+        self.reported = None  # (loss, samples, tokens)
+        self.result = None
+
+    def __repr__(self):
+        return (
+            f"Plan(step={self.step}, epoch={self.epoch}, rank={self.rank}, world_size={self.world_size}, "
+            f"samples=range({self.samples.start}, {self.samples.stop}))"
+        )
+
+
+def report(loss=None, samples=None, tokens=None):
+    """This rank's figures for the current step: its loss (the mean over its
+    samples), samples and tokens. They feed the progress line, the
+    tandem_train_* metrics and `tandem run`'s summary. Call it once per step,
+    before or after ``opt.step()``; after the step one small all-reduce over
+    the workers sums every rank's figures (a rank that does not report counts
+    as no loss and no samples)."""
+    s = _require_session()
+    plan = s.plan
+    if plan is None:
+        raise RuntimeError("tandem.torch.report() outside a step: call it inside `for plan in tandem.torch.steps(...)`")
+    if loss is not None:
+        loss = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
+    n = len(plan.samples) if samples is None else int(samples)
+    plan.reported = (loss, n, int(tokens or 0))
+
+
+def steps(total_steps=None, global_batch=None):
+    """Yields a ``Plan`` for each step 1..total_steps (default: the
+    configuration's train.steps and train.global_batch).
+
+    A step whose ``opt.step()`` failed (a worker died or joined) is yielded
+    again after the parameters are resynchronised, with its new rank and
+    share; the loop body should read ``plan.samples`` every time.
+    """
+    s = _require_session()
+    total = int(total_steps if total_steps is not None else s.config.steps)
+    batch = int(global_batch if global_batch is not None else s.config.global_batch)
+    if total <= 0:
+        raise ValueError("steps(): total_steps must be > 0 (or give train.steps, `tandem run --steps`)")
+    if batch <= 0:
+        raise ValueError("steps(): global_batch must be > 0")
+    opt = s.optimizer
+    if opt is None:
+        raise RuntimeError("steps(): create the tandem.torch.DistributedOptimizer before the training loop")
+    if s.worker is None:
+        yield from _local_steps(s, opt, total, batch)
+    else:
+        yield from _distributed_steps(s, opt, total, batch)
+
+
+def _local_steps(s, opt, total, batch):
+    progress = _Progress(s, opt)
+    for step in range(1, total + 1):
+        plan = Plan(step, 1, 0, 1, 0, 1, batch, False, 0)
+        s.plan = s.last_plan = plan
+        opt._begin(plan)
+        started = time.monotonic()
+        yield plan
+        s.plan = None
+        if not plan.completed:
+            raise RuntimeError(f"step {step}: the loop body did not call opt.step()")
+        progress.record(plan, time.monotonic() - started)
+    progress.finish(total)
+
+
+def _distributed_steps(s, opt, total, batch):
+    w = s.worker
+    progress = _Progress(s, opt)
+    attempts = {}
+    while True:
+        try:
+            raw = w.begin_step()
+        except TandemError as e:
+            _raise_stopped(s, e)
+            raise
+        if raw.step > total:
+            try:
+                w.finish_run()
+            except TandemError as e:
+                _raise_stopped(s, e)
+                if e.fatal:
+                    raise
+                continue
+            break
+        attempt = attempts.get(raw.step, 0)
+        plan = Plan(
+            raw.step, raw.epoch, raw.rank, raw.world_size, raw.dp_rank, raw.dp_size, batch, raw.resynced, attempt
+        )
+        s.plan = s.last_plan = plan
+        opt._begin(plan)
+        progress.sample_log(plan)
+        started = time.monotonic()
+        yield plan
+        s.plan = None
+        if plan.failed:
+            attempts[plan.step] = attempt + 1
+            w.record_failure()
+            continue
+        if not plan.completed:
+            w.abandon_step(f"step {plan.step}: the loop body did not call opt.step()")
+            raise RuntimeError(f"step {plan.step}: the loop body did not call opt.step()")
+        progress.record(plan, time.monotonic() - started)
+        progress.checkpoint(plan, total)
+    progress.finish(total)
+
+
+def _raise_stopped(s, error):
+    """A runtime stopped by SIGTERM or the daemon: end the loop as the daemon asks."""
+    if s.worker is not None and s.worker.shutdown_requested:
+        failure = s.worker.failure()
+        if failure:
+            raise TandemError("ABORTED", f"the worker is shutting down after a failure: {failure}") from error
+        raise SystemExit(0)
+
+
+class _Progress:
+    """Global rank 0's progress file and the tandem_train_* metrics."""
+
+    def __init__(self, s, opt):
+        self.s = s
+        self.opt = opt
+        cfg = s.config
+        self.progress_file = cfg.progress_file
+        self.sample_file = None
+        if cfg.sample_log:
+            self.sample_file = open(cfg.sample_log, "a")
+        self.last_checkpoint = None
+        self.records = []
+
+    def sample_log(self, plan):
+        if self.sample_file is None:
+            return
+        # Before the gradients leave: a step cannot complete without its line.
+        line = {
+            "step": plan.step,
+            "epoch": plan.epoch,
+            "dp_rank": plan.dp_rank,
+            "dp_size": plan.dp_size,
+            "start": time.time(),
+            "time": time.time(),
+            "samples": list(plan.samples),
+        }
+        self.sample_file.write(json.dumps(line) + "\n")
+        self.sample_file.flush()
+
+    def record(self, plan, seconds):
+        rep = plan.reported  # (loss or None, samples, tokens), or None
+        result = plan.result
+        nan = float("nan")
+        if rep is None:
+            rep = (None, len(plan.samples), 0)
+        if self.s.worker is None:
+            loss, samples, tokens = (rep[0] if rep[0] is not None else nan), rep[1], rep[2]
+        elif self.s.config.consistency != "sync":
+            # Asynchronous modes: no collective between steps; this worker's own figures.
+            loss = rep[0] if rep[0] is not None else nan
+            samples, tokens = rep[1] * plan.dp_size, rep[2] * plan.dp_size
+        else:
+            # Every rank, every step (whether it reported or not), so that the
+            # sum never waits for a rank that skipped it.
+            mine = [(rep[0] or 0.0) * plan.share, plan.share if rep[0] is not None else 0.0, float(rep[1]),
+                    float(rep[2])]
+            try:
+                total_loss, shares, samples, tokens = self.s.worker.allreduce_between_steps(mine)
+                loss = total_loss / shares if shares > 0 else nan
+            except TandemError:
+                loss, samples, tokens = nan, rep[1] * plan.dp_size, rep[2] * plan.dp_size
+        exposed = result.exposed_seconds if result is not None else 0.0
+        record = {
+            "step": plan.step,
+            "epoch": plan.epoch,
+            "loss": float(loss),
+            "tokens": int(tokens),
+            "samples": int(samples),
+            "step_seconds": seconds,
+            "compute_seconds": max(0.0, seconds - exposed),
+            "comm_seconds": result.comm_seconds if result is not None else 0.0,
+            "exposed_seconds": exposed,
+            "world_size": plan.world_size,
+            "rank": plan.rank,
+            "retries": plan.attempt,
+            "resynced": plan.resynced,
+            "parameter_bytes": self.opt._flat_params.numel() * 4,
+        }
+        self.records.append(record)
+        if self.s.worker is None:
+            return
+        line = self.s.worker.record_step(record)
+        if plan.rank == 0 and self.progress_file:
+            with open(self.progress_file, "a") as f:
+                f.write(line + "\n")
+
+    def checkpoint(self, plan, total):
+        cfg = self.s.config
+        if (
+            plan.rank != 0
+            or not cfg.checkpoint_dir
+            or cfg.checkpoint_every <= 0
+            or self.opt._mode == "allreduce"
+            or plan.step % cfg.checkpoint_every != 0
+            or plan.step == total
+        ):
+            return
+        try:
+            self.last_checkpoint = self.s.worker.save_checkpoint(cfg.checkpoint_dir, plan.step, 600.0)
+        except TandemError as e:
+            if e.fatal:
+                raise
+            warnings.warn(f"step {plan.step}: the checkpoint was not saved: {e.message}")
+
+    def finish(self, total):
+        s = self.s
+        cfg = s.config
+        if self.sample_file is not None:
+            self.sample_file.close()
+        if s.worker is None:
+            return
+        plan = s.last_plan
+        if plan is None or plan.rank != 0:
+            return
+        if cfg.params_out:
+            tmp = cfg.params_out + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(self.opt._flat_params.numpy().tobytes())
+            os.replace(tmp, cfg.params_out)
+        if cfg.checkpoint_dir and self.opt._mode != "allreduce":
+            self.last_checkpoint = s.worker.save_checkpoint(cfg.checkpoint_dir, total, 600.0)
+        if self.progress_file:
+            with open(self.progress_file, "a") as f:
+                f.write(
+                    json.dumps(
+                        {
+                            "finished": True,
+                            "steps": s.worker.completed_steps(),
+                            "checkpoint": self.last_checkpoint,
+                            "time": time.time(),
+                        }
+                    )
+                    + "\n"
+                )
+
+
+# --- LR schedulers ------------------------------------------------------------
+#
+# Schedulers built on a DistributedOptimizer are recorded on it, so that a step
+# that failed leaves them where they were, a joining worker's catch up, and
+# (allreduce mode) their state travels with the optimizer's.
+_scheduler_base = getattr(torch.optim.lr_scheduler, "LRScheduler", None) or torch.optim.lr_scheduler._LRScheduler
+_scheduler_init = _scheduler_base.__init__
+
+
+def _recording_scheduler_init(self, optimizer, *args, **kwargs):
+    _scheduler_init(self, optimizer, *args, **kwargs)
+    schedulers = getattr(optimizer, "_tandem_schedulers", None)
+    if schedulers is not None:
+        schedulers.append(weakref.ref(self))
+
+
+if not getattr(_scheduler_base.__init__, "_tandem", False):
+    _recording_scheduler_init._tandem = True
+    _scheduler_base.__init__ = _recording_scheduler_init
+
+
+# --- the optimizer ------------------------------------------------------------
+
+
+def _optimizer_text(opt, mode, groups, max_grad_norm, non_finite, lr_schedule):
+    """The servers' OptimizerConfig (protobuf text format) for a torch optimizer."""
+    kind = type(opt)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    pg = opt.param_groups
+    first = pg[0]
+
+    def refuse(key, why):
+        raise ValueError(f"{name}: {key} {why}: the parameter servers cannot honour it (use mode='allreduce' to run "
+                         f"the optimizer locally)")
+
+    def same(key):
+        for i, g in enumerate(pg[1:], 1):
+            if g.get(key) != first.get(key):
+                refuse(
+                    f"param_groups[{i}]['{key}'] = {g.get(key)!r}",
+                    f"differs from param_groups[0]'s {first.get(key)!r} (the servers apply one value per job; only "
+                    f"lr and weight_decay may differ between groups)",
+                )
+
+    for g in pg:
+        if g.get("maximize", False):
+            refuse("maximize=True", "is set")
+    if isinstance(opt, torch.optim.SGD):
+        for key in ("momentum", "nesterov", "dampening"):
+            same(key)
+        if first.get("dampening", 0) != 0:
+            refuse(f"dampening={first['dampening']}", "is not 0")
+        rule = "sgd {{ lr: {lr!r} momentum: {m!r} nesterov: {n} weight_decay: {wd!r} }}".format(
+            lr=float(first["lr"]),
+            m=float(first.get("momentum", 0.0)),
+            n="true" if first.get("nesterov", False) else "false",
+            wd=float(first.get("weight_decay", 0.0)),
+        )
+    elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        for key in ("betas", "eps", "amsgrad"):
+            same(key)
+        if first.get("amsgrad", False):
+            refuse("amsgrad=True", "is set")
+        decoupled = isinstance(opt, torch.optim.AdamW)
+        b1, b2 = first["betas"]
+        rule = (
+            "adam {{ lr: {lr!r} beta1: {b1!r} beta2: {b2!r} eps: {eps!r} weight_decay: {wd!r} "
+            "decoupled_weight_decay: {d} bias_correction: true }}"
+        ).format(
+            lr=float(first["lr"]),
+            b1=float(b1),
+            b2=float(b2),
+            eps=float(first["eps"]),
+            wd=float(first.get("weight_decay", 0.0)),
+            d="true" if decoupled else "false",
+        )
+    else:
+        raise TypeError(
+            f"{name} is not an optimizer the parameter servers run (torch.optim.SGD, Adam and AdamW): use "
+            f"mode='allreduce' to run it locally on every worker"
+        )
+    text = [rule, "reduction: GRADIENT_REDUCTION_SUM"]
+    base_lr = float(first["lr"])
+    base_wd = float(first.get("weight_decay", 0.0))
+    for i, g in enumerate(pg):
+        if i == 0 or g["params"] == []:
+            continue
+        overrides = []
+        lr = float(g["lr"])
+        if lr != base_lr:
+            if base_lr <= 0:
+                raise ValueError(f"{name}: param_groups[0]['lr'] is {base_lr}, so param_groups[{i}]'s lr {lr} "
+                                 "cannot be a multiple of it")
+            overrides.append(f"lr_scale: {lr / base_lr!r}")
+        if float(g.get("weight_decay", 0.0)) != base_wd:
+            overrides.append(f"weight_decay: {float(g.get('weight_decay', 0.0))!r}")
+        if overrides:
+            text.append(f'group_overrides {{ key: "{groups[i]}" value {{ {" ".join(overrides)} }} }}')
+    if max_grad_norm:
+        text.append(f"max_grad_norm: {float(max_grad_norm)!r}")
+    text.append(
+        "non_finite_policy: " + ("NON_FINITE_POLICY_FAIL" if non_finite == "fail" else "NON_FINITE_POLICY_SKIP_STEP")
+    )
+    if lr_schedule:
+        kinds = {"constant": "CONSTANT", "cosine": "COSINE", "linear": "LINEAR"}
+        kind_name = lr_schedule.get("kind", "constant")
+        if kind_name not in kinds:
+            raise ValueError(f"lr_schedule['kind'] = {kind_name!r} is not one of {', '.join(kinds)}")
+        text.append(
+            "lr_schedule {{ kind: LR_SCHEDULE_KIND_{k} warmup_steps: {w} total_steps: {t} min_lr_ratio: {r!r} }}".format(
+                k=kinds[kind_name],
+                w=int(lr_schedule.get("warmup_steps", 0)),
+                t=int(lr_schedule.get("total_steps", 0)),
+                r=float(lr_schedule.get("min_lr_ratio", 0.0)),
+            )
+        )
+    return "\n".join(text)
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods of the class DistributedOptimizer builds (a subclass of the wrapped optimizer's class)."""
+
+    _tandem_wrapped = True
+
+    def _tandem_setup(self, named, mode, find_unused_parameters, max_grad_norm, bucket_bytes, gradient_wire,
+                      parameter_wire, non_finite, lr_schedule, resume_from):
+        s = _require_session()
+        if s.optimizer is not None:
+            raise RuntimeError("a DistributedOptimizer exists already: Tandem trains one model per worker")
+        cfg = s.config
+        self._mode = mode or cfg.mode
+        if self._mode not in _MODES:
+            raise ValueError(f"mode {self._mode!r} is not one of {', '.join(_MODES)}")
+        if non_finite not in ("skip", "fail"):
+            raise ValueError(f"non_finite {non_finite!r} is not 'skip' or 'fail'")
+        self._session = s
+        self._find_unused = bool(find_unused_parameters)
+        self._max_grad_norm = float(max_grad_norm if max_grad_norm is not None else cfg.max_grad_norm)
+        if self._max_grad_norm < 0 or not math.isfinite(self._max_grad_norm):
+            raise ValueError(f"max_grad_norm {self._max_grad_norm} must be >= 0 and finite")
+        self._non_finite = non_finite
+        self._tandem_schedule = bool(lr_schedule)
+        self._tandem_schedulers = []
+        self._sync = True
+        self._plan = None
+
+        # The parameters, in the order the model names them; the flat buffer
+        # holds them in that order, so backward (which ends with the first
+        # layers) makes the end of the buffer ready first.
+        names = {}
+        if named is not None:
+            for name, p in named:
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"named_parameters: {name!r} is not a tensor")
+                names.setdefault(id(p), name)
+        ordered = []
+        group_of = {}
+        seen = set()
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                if id(p) in seen:
+                    raise ValueError(f"parameter {names.get(id(p), '?')!r} is in the optimizer twice")
+                seen.add(id(p))
+                group_of[id(p)] = gi
+                if named is not None and id(p) not in names:
+                    raise ValueError(
+                        f"param_groups[{gi}] holds a parameter of shape {tuple(p.shape)} that named_parameters does "
+                        "not name: pass the model's named_parameters()"
+                    )
+                ordered.append(p)
+        if named is not None:
+            order = {pid: i for i, pid in enumerate(names)}
+            ordered.sort(key=lambda p: order[id(p)])
+        else:
+            for i, p in enumerate(ordered):
+                names[id(p)] = f"param.{i}"
+        params = []
+        for p in ordered:
+            name = names[id(p)]
+            if not p.requires_grad:
+                continue  # frozen: not trained, not on the servers
+            if p.dtype != torch.float32:
+                raise TypeError(f"parameter {name!r} is {p.dtype}, not torch.float32: Tandem trains fp32 parameters")
+            if p.device.type != "cpu":
+                raise ValueError(f"parameter {name!r} is on {p.device}: tandem.torch trains tensors on the CPU")
+            if p.is_sparse or not p.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not a dense contiguous tensor")
+            params.append((name, p))
+        if not params:
+            raise ValueError("the optimizer has no parameter that requires a gradient")
+        self._params = params
+        self._names = [n for n, _ in params]
+        count = sum(p.numel() for _, p in params)
+        self._count = count
+
+        if s.describe:
+            if self._mode != "allreduce":
+                gn = {gi: ("" if gi == 0 else f"group{gi}") for gi in range(len(self.param_groups))}
+                _optimizer_text(self, self._mode, gn, self._max_grad_norm, non_finite, lr_schedule)
+            with open(s.describe, "w") as f:
+                json.dump({"parameters": count, "tensors": len(params)}, f)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+
+        # One flat buffer each for parameters and gradients; the model's
+        # tensors become views into them.
+        self._flat_params = torch.zeros(count, dtype=torch.float32)
+        self._flat_grads = torch.zeros(count, dtype=torch.float32)
+        self._offsets = []
+        self._shapes = []
+        tensors = []
+        group_names = {gi: ("" if gi == 0 else f"group{gi}") for gi in range(len(self.param_groups))}
+        offset = 0
+        with torch.no_grad():
+            for name, p in params:
+                n = p.numel()
+                self._flat_params[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = self._flat_params[offset : offset + n].view(p.shape)
+                p.grad = self._flat_grads[offset : offset + n].view(p.shape)
+                self._offsets.append(offset)
+                self._shapes.append(tuple(p.shape))
+                tensors.append((name, list(p.shape), offset, group_names[group_of[id(p)]]))
+                offset += n
+        self._param_ptrs = [p.data_ptr() for _, p in params]
+        self._grad_views = [p.grad for _, p in params]
+        self._param_total = sum(len(g["params"]) for g in self.param_groups)
+        self._ready = [False] * len(params)
+        self._watermark = len(params)
+        self._backward_queued = False
+        self._hooks = []
+        self._base_lr = float(self.param_groups[0]["lr"])
+        self._lr_ratios = [float(g["lr"]) / self._base_lr if self._base_lr > 0 else 1.0 for g in self.param_groups]
+
+        # Every backward reports each parameter's gradient (alone too, so a
+        # script's mistakes show before it runs on a cluster).
+        for i, (name, p) in enumerate(params):
+            acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            acc.register_hook(self._make_hook(i))
+            self._hooks.append(acc)
+        explicit_mode = mode is not None or s.describe
+        if s.worker is None:
+            if explicit_mode and self._mode != "allreduce":
+                # The servers' checks, so that a single run (and `tandem run`'s
+                # look at the script) finds what a cluster would refuse.
+                _optimizer_text(self, self._mode, group_names, self._max_grad_norm, non_finite, lr_schedule)
+            s.optimizer = self
+            return
+        s.optimizer = self
+
+        runtime_options = {
+            "mode": self._mode,
+            "bucket_bytes": int(bucket_bytes if bucket_bytes is not None else cfg.bucket_bytes),
+            "gradient_wire": gradient_wire or cfg.gradient_wire,
+            "parameter_wire": parameter_wire or cfg.parameter_wire,
+            "timeout_ms": int(cfg.step_timeout_ms),
+            "epoch_wait_ms": int(cfg.epoch_wait_ms),
+            "consistency": cfg.consistency,
+            "staleness_bound": int(cfg.staleness_bound),
+            "resume_from": resume_from or cfg.resume_from,
+        }
+        if self._mode == "allreduce":
+            # The torch optimizer steps locally; the runtime only checks this.
+            runtime_options["optimizer"] = "sgd { lr: 1 } reduction: GRADIENT_REDUCTION_SUM"
+            runtime_options["save_state"] = self._save_local_state
+            runtime_options["load_state"] = self._load_local_state
+        else:
+            runtime_options["optimizer"] = _optimizer_text(
+                self, self._mode, group_names, self._max_grad_norm, non_finite, lr_schedule
+            )
+        s.worker.create_runtime(runtime_options)
+        s.worker.attach(self._flat_params.data_ptr(), self._flat_grads.data_ptr(), count, tensors)
+
+    # -- during a step ------------------------------------------------------
+
+    def _begin(self, plan):
+        self._begin_schedulers(plan)
+        self._forward_step_lr()
+
+    def _begin_schedulers(self, plan):
+        self._plan = plan
+        self._ready = [False] * len(self._params)
+        self._watermark = len(self._params)
+        self._backward_queued = False
+        self._scale = plan.share
+        schedulers = self._schedulers()
+        if self._session.worker is None or not schedulers:
+            return
+        if getattr(self, "_pending_restore", False):
+            # The last attempt failed after the loop stepped its schedulers:
+            # back to where they were before it.
+            self._pending_restore = False
+            for sch, sd in zip(schedulers, self._scheduler_states):
+                sch.load_state_dict(sd)
+            for g, lr in zip(self.param_groups, self._group_lrs):
+                g["lr"] = lr
+        if plan.resynced and self._mode != "allreduce":
+            self._catch_up(schedulers, plan.step - 1)
+        self._scheduler_states = [sch.state_dict() for sch in schedulers]
+        self._group_lrs = [g["lr"] for g in self.param_groups]
+
+    def _forward_step_lr(self):
+        # Before backward: the runtime takes the step's learning rate with
+        # its first gradients.
+        if self._session.worker is not None and self._mode != "allreduce" and not self._tandem_schedule:
+            self._forward_lr(self._session.worker)
+
+    def _schedulers(self):
+        alive = [r() for r in self._tandem_schedulers]
+        return [sch for sch in alive if sch is not None]
+
+    def _catch_up(self, schedulers, steps_done):
+        # A worker that joined (or resynchronised) moves its schedulers to the
+        # job's position: they are deterministic in their step count.
+        for sch in schedulers:
+            behind = steps_done - (sch.last_epoch if sch.last_epoch >= 0 else 0)
+            if behind <= 0:
+                continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                for _ in range(behind):
+                    sch.step()
+
+    def _make_hook(self, i):
+        def hook(*unused):
+            if not self._sync or self._plan is None:
+                return
+            self._on_ready(i)
+
+        return hook
+
+    def _on_ready(self, i):
+        name, p = self._params[i]
+        if p.data_ptr() != self._param_ptrs[i] or tuple(p.shape) != self._shapes[i]:
+            raise RuntimeError(
+                f"parameter {name!r} was replaced or resized after the DistributedOptimizer was created (it was "
+                f"{self._shapes[i]}, now {tuple(p.shape)}): create the optimizer after the model is final"
+            )
+        if self._ready[i]:
+            raise RuntimeError(
+                f"parameter {name!r} got a second gradient in step {self._plan.step}: accumulate micro-batches "
+                "inside `with opt.no_sync():` (all but the last)"
+            )
+        view = self._grad_views[i]
+        g = p.grad
+        if g is None or g.data_ptr() != view.data_ptr():
+            # The gradient went elsewhere (zero_grad(set_to_none=True) since):
+            # back into the flat buffer.
+            with torch.no_grad():
+                if g is None:
+                    view.zero_()
+                else:
+                    view.copy_(g)
+            p.grad = view
+        self._ready[i] = True
+        if not self._backward_queued:
+            self._backward_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._advance()
+
+    def _advance(self):
+        w = self._watermark
+        while w > 0 and self._ready[w - 1]:
+            w -= 1
+        if w == self._watermark:
+            return
+        lo = self._offsets[w]
+        hi = self._offsets[self._watermark] if self._watermark < len(self._offsets) else self._count
+        if self._scale != 1.0 and self._session.worker is not None:
+            with torch.no_grad():
+                self._flat_grads[lo:hi].mul_(self._scale)
+        self._watermark = w
+        if self._session.worker is not None:
+            self._session.worker.gradients_ready(lo)
+
+    def _on_backward_end(self):
+        missing = [i for i, r in enumerate(self._ready) if not r]
+        if not missing:
+            return
+        if not self._find_unused:
+            names = ", ".join(self._names[i] for i in missing[:10])
+            more = f" and {len(missing) - 10} more" if len(missing) > 10 else ""
+            raise RuntimeError(
+                f"step {self._plan.step}: backward gave no gradient to {names}{more}; every rank must send every "
+                "gradient. Pass find_unused_parameters=True to DistributedOptimizer to send zeros for parameters a "
+                "step does not use"
+            )
+        with torch.no_grad():
+            for i in missing:
+                self._grad_views[i].zero_()
+                self._ready[i] = True
+        self._advance()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches of gradient accumulation: backward inside this block
+        only accumulates (no communication); the step's last micro-batch runs
+        outside it."""
+        before = self._sync
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    def zero_grad(self, set_to_none=False):
+        """Zeroes the gradients in place (the flat buffer the runtime sends
+        from); ``set_to_none`` is ignored, since the gradients are views into
+        that buffer."""
+        with torch.no_grad():
+            self._flat_grads.zero_()
+        for i, (_, p) in enumerate(self._params):
+            if p.grad is None or p.grad.data_ptr() != self._grad_views[i].data_ptr():
+                p.grad = self._grad_views[i]
+
+    def step(self, closure=None):
+        """Finishes the step: sends what backward left, then updates the
+        parameters (from the servers, or with the wrapped optimizer on the
+        averaged gradients in allreduce mode). Returns the closure's loss.
+        After a membership change the step is marked failed and ``steps()``
+        yields it again."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        s = self._session
+        plan = self._plan
+        if sum(len(g["params"]) for g in self.param_groups) != self._param_total:
+            raise RuntimeError(
+                "parameters were added to the optimizer (add_param_group) after the DistributedOptimizer was "
+                "created: Tandem lays the parameters out once"
+            )
+        if plan is None or s.plan is not plan:
+            if s.worker is None:
+                self._local_step()  # alone, outside steps(): a plain optimizer step
+                return loss
+            raise RuntimeError("opt.step() outside a step: call it inside `for plan in tandem.torch.steps(...)`")
+        if plan.completed or plan.failed:
+            raise RuntimeError(f"opt.step() twice in step {plan.step}")
+        if not all(self._ready):
+            missing = [self._names[i] for i, r in enumerate(self._ready) if not r]
+            raise RuntimeError(
+                f"step {plan.step}: opt.step() before backward gave every gradient (missing: "
+                f"{', '.join(missing[:10])}); call loss.backward() outside opt.no_sync() first"
+            )
+        if s.worker is None:
+            self._local_step()
+            plan.completed = True
+            return loss
+        try:
+            plan.result = s.worker.end_step(0.0, 0, 0)  # the figures are summed after the step (_Progress.record)
+        except TandemError as e:
+            _raise_stopped(s, e)
+            if e.fatal:
+                raise
+            plan.failed = True
+            self._restore_schedulers()
+            return loss
+        if self._mode == "allreduce":
+            self._local_step()
+        plan.completed = True
+        return loss
+
+    def _forward_lr(self, worker):
+        lr = float(self.param_groups[0]["lr"])
+        for i, g in enumerate(self.param_groups[1:], 1):
+            want = lr * self._lr_ratios[i]
+            if not math.isclose(float(g["lr"]), want, rel_tol=1e-6, abs_tol=1e-12):
+                raise ValueError(
+                    f"param_groups[{i}]['lr'] is {g['lr']}, but the servers scale param_groups[0]'s lr {lr} by "
+                    f"{self._lr_ratios[i]} for it: a scheduler may change every group's lr by the same factor only"
+                )
+        if not math.isfinite(lr) or lr < 0:
+            raise ValueError(f"param_groups[0]['lr'] is {lr}: a learning rate is >= 0 and finite")
+        worker.set_step_learning_rate(lr if lr > 0 else _ZERO_LR)
+
+    def _restore_schedulers(self):
+        # The step is retried: a scheduler.step() the loop makes after the
+        # failed opt.step() is undone when the step begins again.
+        if getattr(self, "_scheduler_states", None):
+            self._pending_restore = True
+
+    def _local_step(self):
+        sup = super(self.__class__, self)
+        if self._max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self._params], self._max_grad_norm)
+        if not bool(torch.isfinite(self._flat_grads).all()):
+            step = self._plan.step if self._plan else "?"
+            if self._non_finite == "fail":
+                raise FloatingPointError(f"step {step}: the averaged gradient holds NaN or Inf")
+            warnings.warn(f"step {step}: the averaged gradient holds NaN or Inf; the update is skipped")
+            return
+        sup.step()
+
+    # -- allreduce mode: the state that travels on a resync -------------------
+
+    def _save_local_state(self):
+        buf = io.BytesIO()
+        torch.save(
+            {
+                "optimizer": super(self.__class__, self).state_dict(),
+                "schedulers": [sch.state_dict() for sch in self._schedulers()],
+            },
+            buf,
+        )
+        return buf.getvalue()
+
+    def _load_local_state(self, data):
+        state = torch.load(io.BytesIO(data))
+        super(self.__class__, self).load_state_dict(state["optimizer"])
+        for sch, sd in zip(self._schedulers(), state["schedulers"]):
+            sch.load_state_dict(sd)
+
+    # -- checkpoints -------------------------------------------------------
+
+    def state_dict(self):
+        """A plain torch optimizer state_dict. In allreduce mode the wrapped
+        optimizer's; in the server modes the servers' optimizer state (their
+        moments and step count, read from a checkpoint they write under
+        train.checkpoint_dir or a temporary directory on a filesystem this
+        process shares with them), in the layout the wrapped optimizer's class
+        uses."""
+        sup = super(self.__class__, self)
+        s = self._session
+        if self._mode == "allreduce" or s.worker is None:
+            return sup.state_dict()
+        return self._server_state_dict(sup.state_dict())
+
+    def _server_state_dict(self, base):
+        import tempfile
+
+        s = self._session
+        directory = s.config.checkpoint_dir or tempfile.mkdtemp(prefix="tandem-state-")
+        step = s.worker.completed_steps()
+        path = s.worker.save_checkpoint(directory, step, 600.0)
+        meta, _, state0, state1 = _tandem.read_checkpoint(path)
+        m0 = torch.frombuffer(bytearray(state0), dtype=torch.float32) if state0 else None
+        m1 = torch.frombuffer(bytearray(state1), dtype=torch.float32) if state1 else None
+        state = {}
+        # state_dict() numbers the parameters in param_groups order.
+        position = {}
+        k = 0
+        for g in self.param_groups:
+            for p in g["params"]:
+                position[id(p)] = k
+                k += 1
+        for i, (_, p) in enumerate(self._params):
+            lo, n = self._offsets[i], p.numel()
+            entry = {}
+            if isinstance(self, torch.optim.SGD):
+                if m0 is not None:
+                    entry["momentum_buffer"] = m0[lo : lo + n].clone().view(p.shape)
+            else:
+                entry["step"] = torch.tensor(float(meta["step"]))
+                entry["exp_avg"] = m0[lo : lo + n].clone().view(p.shape)
+                entry["exp_avg_sq"] = m1[lo : lo + n].clone().view(p.shape)
+            if entry:
+                state[position[id(p)]] = entry
+        return {"state": state, "param_groups": base["param_groups"]}
+
+    def load_state_dict(self, state_dict):
+        """Loads a torch optimizer state_dict: into the wrapped optimizer in
+        allreduce mode (and alone); in the server modes the servers hold the
+        optimizer state, so resume from their checkpoint instead (train.resume_from,
+        or ``DistributedOptimizer(..., resume_from=DIR)``)."""
+        sup = super(self.__class__, self)
+        if self._mode == "allreduce" or self._session.worker is None:
+            sup.load_state_dict(state_dict)
+            return
+        raise NotImplementedError(
+            "in the server modes the parameter servers hold the optimizer state: resume from their checkpoint "
+            "with train.resume_from (tandem run --train-resume-from DIR) or DistributedOptimizer(..., resume_from=DIR)"
+        )
+
+
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    mode=None,
+    find_unused_parameters=False,
+    max_grad_norm=None,
+    bucket_bytes=None,
+    gradient_wire=None,
+    parameter_wire=None,
+    non_finite="skip",
+    lr_schedule=None,
+    resume_from=None,
+):
+    """Wraps a torch optimizer so that training runs on Tandem.
+
+    ``mode``: ``"hybrid"`` (default: the configuration's train.mode),
+    ``"allreduce"`` or ``"ps"``. In the server modes the parameter servers
+    run the update (SGD with momentum/Nesterov, Adam, AdamW, with per-group
+    lr and weight_decay); the wrapped optimizer never steps. In allreduce
+    mode the wrapped optimizer (any torch optimizer) steps on every worker on
+    the averaged gradients.
+
+    ``named_parameters``: the model's ``named_parameters()``, for names in
+    errors and the layout. ``find_unused_parameters``: parameters that get no
+    gradient in a step count as zero gradients (otherwise an error names
+    them). ``max_grad_norm``: clip the global gradient norm (the servers'
+    clipping, or torch's after the reduction in allreduce mode).
+    ``gradient_wire``/``parameter_wire``: ``"fp32"`` or ``"bf16"`` on the
+    wire. ``non_finite``: ``"skip"`` a step whose gradient holds NaN/Inf, or
+    ``"fail"``. ``lr_schedule``: Tandem's own schedule on the servers
+    (``{"kind": "cosine", "warmup_steps": 100, "total_steps": 5000,
+    "min_lr_ratio": 0.1}``) instead of forwarding the torch lr every step.
+    ``resume_from``: a parameter-server checkpoint to start from (server modes).
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if getattr(optimizer, "_tandem_wrapped", False):
+        raise TypeError("the optimizer is a DistributedOptimizer already")
+    base = type(optimizer)
+    # An instance of a subclass of the wrapped optimizer's class (as Horovod
+    # does): LR schedulers and isinstance checks see the optimizer they know,
+    # and in allreduce mode the class's own step() runs the update.
+    members = {k: v for k, v in _DistributedOptimizer.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    members["__module__"] = base.__module__
+    members["__qualname__"] = base.__qualname__
+    cls = type(base.__name__, (base,), members)
+    named = list(named_parameters) if named_parameters is not None else None
+    state = optimizer.state_dict() if optimizer.state else None
+    wrapped = cls.__new__(cls)
+    # The wrapped optimizer's groups carry every hyperparameter (lr, betas, ...).
+    torch.optim.Optimizer.__init__(wrapped, [dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
+    wrapped._tandem_setup(named, mode, find_unused_parameters, max_grad_norm, bucket_bytes, gradient_wire,
+                          parameter_wire, non_finite, lr_schedule, resume_from)
+    if state:
+        torch.optim.Optimizer.load_state_dict(wrapped, state)
+    return wrapped

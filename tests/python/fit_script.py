@@ -1,0 +1,137 @@
+"""The training script of the PyTorch front end's tests (tests/python/torch_test.py).
+
+A small tanh MLP regression on deterministic data, trained through
+tandem.torch; run alone it trains the unwrapped torch optimizer in one
+process, under `tandem run --script` it is a worker. Writes the final
+parameters (rank 0, or alone) to --out as raw fp32 in named_parameters order.
+
+  --optimizer sgd|adamw|rmsprop   SGD with momentum 0.9 and Nesterov, AdamW with a
+                                  no-decay group (biases) at twice the lr, or RMSprop
+  --schedule                      a LambdaLR warmup stepping the wrapped optimizer
+  --fail-at STEP                  raise ValueError on rank 1 at that step
+  --bad NAME                      a bad input (see the --bad cases in main)
+  --step-sleep S                  sleep S seconds in every step (membership changes land mid-run)
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import tandem.torch as tt
+
+DIM, HIDDEN, OUT = 8, 16, 4
+
+
+def sample(i):
+    g = torch.Generator().manual_seed(1000003 * (i + 1))
+    x = torch.randn(DIM, generator=g)
+    y = torch.stack([torch.sin(x[:4].sum()), torch.cos(x[4:].sum()), x[0] * x[1], torch.tanh(x).mean()])
+    return x, y
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--steps", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--schedule", action="store_true")
+    ap.add_argument("--fail-at", type=int, default=0)
+    ap.add_argument("--bad", default="")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--mode", default=None)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    args = ap.parse_args()
+
+    cfg = tt.init()
+    steps = args.steps or cfg.steps or 8
+    batch = args.batch or cfg.global_batch or 16
+    torch.manual_seed(7)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    if args.bad == "fp64":
+        model = model.double()
+    if args.bad == "noncontiguous":
+        model[0].weight.data = model[0].weight.data.t().contiguous().t()
+    root = model
+    if args.bad == "unused":
+        # A parameter the forward never uses.
+        root = torch.nn.Module()
+        root.net = model
+        root.extra = torch.nn.Linear(2, 2)
+    named = list(root.named_parameters())
+    decay = [p for n, p in named if n.endswith("weight")]
+    no_decay = [p for n, p in named if not n.endswith("weight")]
+    if args.optimizer == "sgd":
+        inner = torch.optim.SGD(root.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+    elif args.optimizer == "adamw":
+        inner = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 2e-2}],
+            lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+        )
+    elif args.optimizer == "rmsprop":
+        inner = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    elif args.optimizer == "amsgrad":
+        inner = torch.optim.Adam(model.parameters(), lr=1e-2, amsgrad=True)
+    elif args.optimizer == "betas":
+        inner = torch.optim.Adam(
+            [{"params": decay}, {"params": no_decay, "betas": (0.8, 0.9)}], lr=1e-2)
+    else:
+        raise SystemExit(f"unknown --optimizer {args.optimizer}")
+    opt = tt.DistributedOptimizer(inner, named_parameters=root.named_parameters(), mode=args.mode)
+    sched = None
+    if args.schedule:
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    if args.bad == "resize":
+        model[2].bias.data = torch.zeros(OUT)
+    if args.bad == "add_group":
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+    for plan in tt.steps(steps, batch):
+        if args.fail_at and plan.step == args.fail_at and plan.rank == 1:
+            raise ValueError(f"the test script fails at step {plan.step} on purpose")
+        idx = list(plan.samples)
+        time.sleep(args.step_sleep)
+        opt.zero_grad()
+        micro = [idx[k::args.accumulate] for k in range(args.accumulate)]
+        total_loss = 0.0
+        if args.bad == "nan" and plan.step == 2:
+            idx = []
+        for k, part in enumerate(micro):
+            xs, ys = zip(*(sample(i) for i in part))
+            x, y = torch.stack(xs), torch.stack(ys)
+            loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") / (len(idx) * OUT)
+            if args.bad == "nan" and plan.step == 2:
+                loss = loss * float("nan")
+            ctx = opt.no_sync() if k < len(micro) - 1 else _nullcontext()
+            with ctx:
+                loss.backward()
+                if args.bad == "twice" and k == len(micro) - 1:
+                    loss2 = torch.nn.functional.mse_loss(model(x), y)
+                    loss2.backward()
+            total_loss += loss.item()
+        if args.bad == "skip_backward_rank1" and plan.rank == 1:
+            pass
+        opt.step()
+        if sched is not None:
+            sched.step()
+        tt.report(loss=total_loss, samples=len(idx))
+    if args.out and tt.rank() == 0:
+        with open(args.out + ".tmp", "wb") as f:
+            f.write(opt._flat_params.numpy().tobytes())
+        os.replace(args.out + ".tmp", args.out)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+if __name__ == "__main__":
+    main()
