@@ -241,6 +241,9 @@ class Worker {
       options.epoch_wait = std::chrono::milliseconds(o["epoch_wait_ms"].cast<int64_t>());
     }
     options.resume_from = str("resume_from", "");
+    if (o.contains("overlap_parameter_landing")) {
+      options.overlap_parameter_landing = o["overlap_parameter_landing"].cast<bool>();
+    }
     const std::string consistency = str("consistency", "sync");
     if (consistency == "sync") {
       options.consistency.set_mode(v1::CONSISTENCY_MODE_SYNC);
@@ -320,13 +323,34 @@ class Worker {
 
   void SetStepLearningRate(double lr) { runtime().SetStepLearningRate(lr); }
 
-  worker::StepResult EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
+  // Returns the step's result and `more` summed over the world (see
+  // Runtime::EndStep).
+  std::pair<worker::StepResult, std::vector<float>> EndStep(double loss_share, uint64_t samples, uint64_t tokens,
+                                                            std::vector<float> more) {
     Result<worker::StepResult> result = [&] {
       py::gil_scoped_release release;
-      return runtime().EndStep(loss_share, samples, tokens);
+      return runtime().EndStep(loss_share, samples, tokens, more);
     }();
     if (!result.ok()) Throw(result.status(), runtime().Fatal(result.status()));
-    return *result;
+    return {*result, std::move(more)};
+  }
+
+  // Waits until the last step's parameters in [begin, end) of the flat
+  // buffer have landed (overlap_parameter_landing); at once when they have.
+  void Acquire(size_t begin, size_t end) {
+    Status s = [&] {
+      py::gil_scoped_release release;
+      return runtime().Acquire({begin, end}, {0, 0});
+    }();
+    if (!s.ok()) Throw(s, runtime().Fatal(s));
+  }
+
+  void WaitForParameters() {
+    Status s = [&] {
+      py::gil_scoped_release release;
+      return runtime().WaitForParameters();
+    }();
+    if (!s.ok()) Throw(s, runtime().Fatal(s));
   }
 
   void AbandonStep(const std::string& why) {
@@ -520,7 +544,10 @@ PYBIND11_MODULE(_tandem, m) {
       .def("begin_step", &Worker::BeginStep)
       .def("gradients_ready", &Worker::GradientsReady)
       .def("set_step_learning_rate", &Worker::SetStepLearningRate)
-      .def("end_step", &Worker::EndStep)
+      .def("end_step", &Worker::EndStep, py::arg("loss_share"), py::arg("samples"), py::arg("tokens"),
+           py::arg("more") = std::vector<float>{})
+      .def("acquire", &Worker::Acquire)
+      .def("wait_for_parameters", &Worker::WaitForParameters)
       .def("abandon_step", &Worker::AbandonStep)
       .def("finish_run", &Worker::FinishRun)
       .def("allreduce_between_steps", &Worker::AllReduceBetweenSteps)

@@ -56,6 +56,7 @@ __all__ = [
     "DistributedOptimizer",
     "steps",
     "report",
+    "synchronize",
     "Plan",
     "Config",
     "TandemError",
@@ -295,7 +296,10 @@ class Plan:
         # Filled in during the step.
         self.completed = False
         self.failed = False
+        self.landing_failed = False
         self.reported = None  # (loss, samples, tokens)
+        self.reported_at_step = None  # what opt.step() sent with the step
+        self.summed = None  # (loss x share, shares, samples, tokens, ranks not yet reported): the world's sums
         self.result = None
 
     def __repr__(self):
@@ -320,6 +324,21 @@ def report(loss=None, samples=None, tokens=None):
         loss = float(loss.item() if isinstance(loss, torch.Tensor) else loss)
     n = len(plan.samples) if samples is None else int(samples)
     plan.reported = (loss, n, int(tokens or 0))
+
+
+def synchronize():
+    """Waits until the parameters of the last step have all landed.
+
+    In the server modes the parameters of step N arrive from the servers
+    while step N+1's forward runs: a module's forward waits for its own
+    parameters only (``DistributedOptimizer(..., overlap_landing=True)``, the
+    default). The model's forward, ``model.state_dict()``, the wrapper's
+    ``state_dict()`` and the end of ``steps()`` wait by themselves; call this
+    before reading parameters any other way between steps (``p.data``,
+    ``p.clone()``, a hand-written copy)."""
+    s = _require_session()
+    if s.optimizer is not None:
+        s.optimizer._land_all()
 
 
 def steps(total_steps=None, global_batch=None):
@@ -373,6 +392,7 @@ def _distributed_steps(s, opt, total, batch):
             raise
         if raw.step > total:
             try:
+                opt._land_all()
                 w.finish_run()
             except TandemError as e:
                 _raise_stopped(s, e)
@@ -454,15 +474,26 @@ class _Progress:
             loss = rep[0] if rep[0] is not None else nan
             samples, tokens = rep[1] * plan.dp_size, rep[2] * plan.dp_size
         else:
-            # Every rank, every step (whether it reported or not), so that the
-            # sum never waits for a rank that skipped it.
-            mine = [(rep[0] or 0.0) * plan.share, plan.share if rep[0] is not None else 0.0, float(rep[1]),
-                    float(rep[2])]
-            try:
-                total_loss, shares, samples, tokens = self.s.worker.allreduce_between_steps(mine)
-                loss = total_loss / shares if shares > 0 else nan
-            except TandemError:
-                loss, samples, tokens = nan, rep[1] * plan.dp_size, rep[2] * plan.dp_size
+            # The figures reported before opt.step() were summed with the
+            # step (_DistributedOptimizer.step). Every rank sees the same
+            # count of ranks that had not reported by then: when it is not
+            # zero, every rank (whether it reports late or not at all) takes
+            # part in one more small sum of what came after.
+            total_loss, shares, samples, tokens, late = plan.summed
+            if late > 0:
+                early = plan.reported_at_step
+                mine = [0.0, 0.0, 0.0, 0.0]
+                if early is None and plan.reported is not None:
+                    mine = [(rep[0] or 0.0) * plan.share, plan.share if rep[0] is not None else 0.0, float(rep[1]),
+                            float(rep[2])]
+                try:
+                    self.opt._land_all()  # nothing else in flight beside the sum
+                    more = self.s.worker.allreduce_between_steps(mine)
+                    total_loss, shares, samples, tokens = (a + b for a, b in
+                                                           zip((total_loss, shares, samples, tokens), more))
+                except TandemError:
+                    shares = 0.0
+            loss = total_loss / shares if shares > 0 else nan
         exposed = result.exposed_seconds if result is not None else 0.0
         record = {
             "step": plan.step,
@@ -663,7 +694,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _tandem_wrapped = True
 
     def _tandem_setup(self, named, mode, find_unused_parameters, max_grad_norm, bucket_bytes, gradient_wire,
-                      parameter_wire, non_finite, lr_schedule, resume_from):
+                      parameter_wire, non_finite, lr_schedule, resume_from, overlap_landing):
         s = _require_session()
         if s.optimizer is not None:
             raise RuntimeError("a DistributedOptimizer exists already: Tandem trains one model per worker")
@@ -683,6 +714,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._tandem_schedulers = []
         self._sync = True
         self._plan = None
+        self._overlap = False
+        self._landed = 0
 
         # The parameters, in the order the model names them; the flat buffer
         # holds them in that order, so backward (which ends with the first
@@ -762,6 +795,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._shapes.append(tuple(p.shape))
                 tensors.append((name, list(p.shape), offset, group_names[group_of[id(p)]]))
                 offset += n
+        # Where each parameter ends in the flat buffer: the parameters of the
+        # last step land in buffer order, so a module's forward waits up to
+        # the end of its last one (_before_forward).
+        self._ends = [o + p.numel() for o, (_, p) in zip(self._offsets, params)]
+        self._end_of = {id(p): e for e, (_, p) in zip(self._ends, params)}
+        self._landed = count
         self._param_ptrs = [p.data_ptr() for _, p in params]
         self._grad_views = [p.grad for _, p in params]
         self._param_total = sum(len(g["params"]) for g in self.param_groups)
@@ -799,6 +838,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "staleness_bound": int(cfg.staleness_bound),
             "resume_from": resume_from or cfg.resume_from,
         }
+        # Server modes: opt.step() returns once the parameters the next
+        # forward reads first have landed; the rest land while it runs.
+        self._overlap = self._mode != "allreduce" and bool(overlap_landing)
+        runtime_options["overlap_parameter_landing"] = self._overlap
+        if self._overlap:
+            self._forward_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+            self._state_dict_modules = weakref.WeakSet()
         if self._mode == "allreduce":
             # The torch optimizer steps locally; the runtime only checks this.
             runtime_options["optimizer"] = "sgd { lr: 1 } reduction: GRADIENT_REDUCTION_SUM"
@@ -861,6 +907,50 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 for _ in range(behind):
                     sch.step()
 
+    # -- parameters landing during the next forward (server modes) ----------
+
+    def _before_forward(self, module, inputs):
+        # Every module's forward (a global hook): one that holds parameters of
+        # this optimizer waits until they have landed.
+        if self._landed >= self._count:
+            return
+        end = 0
+        for p in module._parameters.values():
+            e = self._end_of.get(id(p)) if p is not None else None
+            if e is not None and e > end:
+                end = e
+        if end == 0:
+            return
+        if module not in self._state_dict_modules:
+            # model.state_dict() between steps waits for the parameters too.
+            self._state_dict_modules.add(module)
+            module._register_state_dict_hook(self._before_state_dict)
+        if end > self._landed:
+            self._land(end)
+
+    def _before_state_dict(self, module, state_dict, prefix, local_metadata):
+        self._land_all()
+
+    def _land(self, end):
+        plan = self._plan
+        try:
+            self._session.worker.acquire(0, end)
+            self._landed = end
+        except TandemError as e:
+            _raise_stopped(self._session, e)
+            self._landed = self._count  # nothing more will land: the parameters are resynchronised
+            if e.fatal or plan is None or plan.completed or plan.failed:
+                raise
+            # The last step's parameters did not all arrive (a membership
+            # change): this step fails and steps() yields it again after the
+            # resync. Its forward and backward go on, their result unused.
+            self._session.worker.abandon_step(f"step {plan.step}: {e.message}")
+            plan.failed = plan.landing_failed = True
+
+    def _land_all(self):
+        if self._overlap and self._landed < self._count:
+            self._land(self._count)
+
     def _make_hook(self, i):
         def hook(*unused):
             if not self._sync or self._plan is None:
@@ -876,11 +966,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"parameter {name!r} was replaced or resized after the DistributedOptimizer was created (it was "
                 f"{self._shapes[i]}, now {tuple(p.shape)}): create the optimizer after the model is final"
             )
+        if self._ends[i] > self._landed and not self._plan.failed:
+            raise RuntimeError(
+                f"parameter {name!r} was used in step {self._plan.step} outside the forward of the module that holds "
+                "it, so Tandem could not wait for its update from the servers to land: use it inside its module's "
+                "forward, or pass overlap_landing=False to DistributedOptimizer"
+            )
         if self._ready[i]:
             raise RuntimeError(
                 f"parameter {name!r} got a second gradient in step {self._plan.step}: accumulate micro-batches "
                 "inside `with opt.no_sync():` (all but the last)"
             )
+        if self._landed < self._count:
+            self._land_all()  # the runtime lets go of the last step's gradient once everything landed
         view = self._grad_views[i]
         g = p.grad
         if g is None or g.data_ptr() != view.data_ptr():
@@ -947,6 +1045,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Zeroes the gradients in place (the flat buffer the runtime sends
         from); ``set_to_none`` is ignored, since the gradients are views into
         that buffer."""
+        if self._overlap and self._landed < self._count:
+            # The last step's parameters are still landing, and until they
+            # all have, the runtime keeps its gradient (to push it again if a
+            # server fails). Backward starts from no gradient instead, and the
+            # first one lands in the flat buffer (_on_ready).
+            for _, p in self._params:
+                p.grad = None
+            return
         with torch.no_grad():
             self._flat_grads.zero_()
         for i, (_, p) in enumerate(self._params):
@@ -975,6 +1081,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._local_step()  # alone, outside steps(): a plain optimizer step
                 return loss
             raise RuntimeError("opt.step() outside a step: call it inside `for plan in tandem.torch.steps(...)`")
+        if plan.failed and plan.landing_failed and not plan.completed:
+            plan.completed = True  # the step failed in its forward (_land): steps() yields it again
+            return loss
         if plan.completed or plan.failed:
             raise RuntimeError(f"opt.step() twice in step {plan.step}")
         if not all(self._ready):
@@ -987,8 +1096,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._local_step()
             plan.completed = True
             return loss
+        rep = plan.reported
+        plan.reported_at_step = rep
+        if rep is None:
+            figures = (0.0, 0, 0, [0.0, 1.0])
+        else:
+            reported = rep[0] is not None
+            figures = ((rep[0] if reported else 0.0) * plan.share, rep[1], rep[2],
+                       [plan.share if reported else 0.0, 0.0])
         try:
-            plan.result = s.worker.end_step(0.0, 0, 0)  # the figures are summed after the step (_Progress.record)
+            plan.result, more = s.worker.end_step(*figures)
+            plan.summed = (plan.result.loss, more[0], float(plan.result.samples), float(plan.result.tokens), more[1])
+            if self._overlap:
+                self._landed = 0  # the parameters land during the next forward (_before_forward)
         except TandemError as e:
             _raise_stopped(s, e)
             if e.fatal:
@@ -1064,6 +1184,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         s = self._session
         if self._mode == "allreduce" or s.worker is None:
             return sup.state_dict()
+        self._land_all()
         return self._server_state_dict(sup.state_dict())
 
     def _server_state_dict(self, base):
@@ -1125,6 +1246,7 @@ def DistributedOptimizer(
     non_finite="skip",
     lr_schedule=None,
     resume_from=None,
+    overlap_landing=True,
 ):
     """Wraps a torch optimizer so that training runs on Tandem.
 
@@ -1146,6 +1268,10 @@ def DistributedOptimizer(
     (``{"kind": "cosine", "warmup_steps": 100, "total_steps": 5000,
     "min_lr_ratio": 0.1}``) instead of forwarding the torch lr every step.
     ``resume_from``: a parameter-server checkpoint to start from (server modes).
+    ``overlap_landing`` (server modes): ``opt.step()`` returns once the
+    parameters the next forward reads first have arrived from the servers,
+    and each module's forward waits for its own (``synchronize()`` waits for
+    all); ``False`` waits for every parameter in ``opt.step()``.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
@@ -1165,7 +1291,7 @@ def DistributedOptimizer(
     # The wrapped optimizer's groups carry every hyperparameter (lr, betas, ...).
     torch.optim.Optimizer.__init__(wrapped, [dict(g) for g in optimizer.param_groups], dict(optimizer.defaults))
     wrapped._tandem_setup(named, mode, find_unused_parameters, max_grad_norm, bucket_bytes, gradient_wire,
-                          parameter_wire, non_finite, lr_schedule, resume_from)
+                          parameter_wire, non_finite, lr_schedule, resume_from, overlap_landing)
     if state:
         torch.optim.Optimizer.load_state_dict(wrapped, state)
     return wrapped

@@ -11,6 +11,10 @@ parameters (rank 0, or alone) to --out as raw fp32 in named_parameters order.
   --fail-at STEP                  raise ValueError on rank 1 at that step
   --bad NAME                      a bad input (see the --bad cases in main)
   --step-sleep S                  sleep S seconds in every step (membership changes land mid-run)
+  --losses FILE                   alone: write the loss of every step to FILE (a JSON list)
+  --report-first                  tt.report() before opt.step() (default: after it)
+  --hidden N                      the hidden layer's width (default 16; wider makes many buckets
+                                  with small partitions, so parameters land during the next forward)
 """
 import argparse
 import json
@@ -22,7 +26,7 @@ import torch
 
 import tandem.torch as tt
 
-DIM, HIDDEN, OUT = 8, 16, 4
+DIM, OUT = 8, 4
 
 
 def sample(i):
@@ -44,6 +48,9 @@ def main():
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--mode", default=None)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--hidden", type=int, default=16)
+    ap.add_argument("--report-first", action="store_true")
+    ap.add_argument("--losses", default="")
     args = ap.parse_args()
 
     cfg = tt.init()
@@ -51,7 +58,8 @@ def main():
     batch = args.batch or cfg.global_batch or 16
     torch.manual_seed(7)
     torch.set_num_threads(1)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.Tanh(), torch.nn.Linear(HIDDEN, OUT))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(DIM, args.hidden), torch.nn.Tanh(), torch.nn.Linear(args.hidden, OUT))
     if args.bad == "fp64":
         model = model.double()
     if args.bad == "noncontiguous":
@@ -90,6 +98,7 @@ def main():
     if args.bad == "add_group":
         opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
 
+    losses = []
     for plan in tt.steps(steps, batch):
         if args.fail_at and plan.step == args.fail_at and plan.rank == 1:
             raise ValueError(f"the test script fails at step {plan.step} on purpose")
@@ -103,7 +112,13 @@ def main():
         for k, part in enumerate(micro):
             xs, ys = zip(*(sample(i) for i in part))
             x, y = torch.stack(xs), torch.stack(ys)
-            loss = torch.nn.functional.mse_loss(model(x), y, reduction="sum") / (len(idx) * OUT)
+            if args.bad == "outside":
+                # The parameters read in a forward of their own instead of their modules'.
+                h = torch.tanh(torch.nn.functional.linear(x, model[0].weight, model[0].bias))
+                pred = torch.nn.functional.linear(h, model[2].weight, model[2].bias)
+            else:
+                pred = model(x)
+            loss = torch.nn.functional.mse_loss(pred, y, reduction="sum") / (len(idx) * OUT)
             if args.bad == "nan" and plan.step == 2:
                 loss = loss * float("nan")
             ctx = opt.no_sync() if k < len(micro) - 1 else _nullcontext()
@@ -115,10 +130,17 @@ def main():
             total_loss += loss.item()
         if args.bad == "skip_backward_rank1" and plan.rank == 1:
             pass
+        if args.report_first:
+            tt.report(loss=total_loss, samples=len(idx))
         opt.step()
         if sched is not None:
             sched.step()
-        tt.report(loss=total_loss, samples=len(idx))
+        if not args.report_first:
+            tt.report(loss=total_loss, samples=len(idx))
+        losses.append(total_loss)
+    if args.losses and not tt.is_distributed():
+        with open(args.losses, "w") as f:
+            json.dump(losses, f)
     if args.out and tt.rank() == 0:
         with open(args.out + ".tmp", "wb") as f:
             f.write(opt._flat_params.numpy().tobytes())

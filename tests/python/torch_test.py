@@ -55,6 +55,11 @@ def run_cluster(work, script_args, *, nodes=2, per_node=1, servers=2, mode="hybr
     return p, result
 
 
+# Partitions and buckets of 4 KiB: a model of a few thousand parameters
+# travels in many buckets.
+SMALL_BUCKETS = ("--partition-size", "4KiB", "--train-bucket-bytes", "4KiB")
+
+
 class BadInputTest(unittest.TestCase):
     """Every bad input gets an exception that names what is wrong (one process)."""
 
@@ -126,17 +131,19 @@ class ClusterTest(unittest.TestCase):
 
     def reference(self, work, args):
         out = os.path.join(work, "alone.bin")
-        p = run_alone(*args, "--out", out)
+        p = run_alone(*args, "--out", out, "--losses", os.path.join(work, "alone.losses"))
         self.assertEqual(p.returncode, 0, p.stderr)
+        with open(os.path.join(work, "alone.losses")) as f:
+            self.ref_losses = json.load(f)
         return params(out)
 
-    def check_modes(self, args, per_node):
+    def check_modes(self, args, per_node, extra=()):
         work = tempfile.mkdtemp(prefix="tandem-torch-test-")
         ref = self.reference(work, args + ["--steps", "8"])
         for mode in ("allreduce", "hybrid", "ps"):
             with self.subTest(mode=mode):
                 out = os.path.join(work, f"{mode}.bin")
-                p, summary = run_cluster(work, args + ["--out", out], per_node=per_node, mode=mode)
+                p, summary = run_cluster(work, args + ["--out", out], per_node=per_node, mode=mode, extra=extra)
                 self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
                 self.assertTrue(summary["completed"], summary)
                 self.assertEqual(summary["steps"], 8)
@@ -144,26 +151,42 @@ class ClusterTest(unittest.TestCase):
                 if mode != "allreduce":
                     self.assertEqual(summary["server_steps_applied"], 8)
                 torch.testing.assert_close(params(out), ref, rtol=1e-5, atol=1e-6)
+                # The progress figures: every rank's loss weighted by its share,
+                # summed with the step (reported before opt.step()) or after it.
+                torch.testing.assert_close(torch.tensor(summary["losses"]), torch.tensor(self.ref_losses),
+                                           rtol=1e-4, atol=1e-6)
 
     def test_two_workers_sgd_momentum(self):
         self.check_modes(["--optimizer", "sgd"], per_node=1)
 
     def test_four_workers_adamw_with_groups_and_a_scheduler(self):
-        self.check_modes(["--optimizer", "adamw", "--schedule"], per_node=2)
+        # 13 partitions of 1,024 parameters, a bucket each: in the server modes
+        # all but the first land while the next step's forward runs.
+        self.check_modes(["--optimizer", "adamw", "--schedule", "--hidden", "1024", "--report-first"], per_node=2, extra=SMALL_BUCKETS)
+
+    def test_a_parameter_read_outside_its_module_is_refused(self):
+        """With parameters landing during the forward, a parameter the forward
+        reads without its module's forward (where Tandem waits for it) fails
+        the run, naming it, rather than train on an old value."""
+        work = tempfile.mkdtemp(prefix="tandem-torch-test-")
+        p, _ = run_cluster(work, ["--bad", "outside", "--report-first"], steps=4)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("parameter '2.bias' was used in step 2 outside the forward of the module that holds it",
+                      p.stdout + p.stderr)
 
 
 class ElasticTest(unittest.TestCase):
     def test_killed_and_added_worker(self):
         """A worker killed with SIGKILL and one added later: every step applied
         once, every sample of the run trained once, the same result as one process."""
-        self.check_elastic("hybrid", ["--optimizer", "adamw"])
+        self.check_elastic("hybrid", ["--optimizer", "adamw", "--hidden", "1024", "--report-first"], SMALL_BUCKETS)
 
     def test_killed_and_added_worker_in_allreduce_mode(self):
         """The same without servers: the optimizer's and the scheduler's state
         travel from a survivor to the worker that joins."""
         self.check_elastic("allreduce", ["--optimizer", "adamw", "--schedule"])
 
-    def check_elastic(self, mode, args):
+    def check_elastic(self, mode, args, extra=()):
         work = tempfile.mkdtemp(prefix="tandem-torch-elastic-")
         log = os.path.join(work, "samples.jsonl")
         out = os.path.join(work, f"{mode}.bin")
@@ -171,7 +194,7 @@ class ElasticTest(unittest.TestCase):
         self.assertEqual(run_alone(*args, "--steps", "12", "--out", ref_out).returncode, 0)
         p, summary = run_cluster(
             work, args + ["--out", out, "--step-sleep", "0.1"], per_node=2, steps=12, mode=mode,
-            extra=["--kill-worker-at", "4", "--add-worker-at", "8", "--train-sample-log", log],
+            extra=["--kill-worker-at", "4", "--add-worker-at", "8", "--train-sample-log", log, *extra],
         )
         self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
         self.assertTrue(summary["completed"], summary)

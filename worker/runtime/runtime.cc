@@ -1074,12 +1074,11 @@ Status Runtime::ReduceLoss() {
   if (asynchronous()) {
     // No collective over the workers during a step: this worker's own
     // shard's loss, scaled to the global mean's scale.
+    loss_out_ = loss_in_;
     loss_out_[0] = loss_in_[0] * static_cast<float>(std::max<uint32_t>(1, view_->epoch.mesh().dp()));
-    loss_out_[1] = loss_in_[1];
-    loss_out_[2] = loss_in_[2];
     return Status::Ok();
   }
-  return world_->AllReduce(loss_in_, loss_out_, 3, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  return world_->AllReduce(loss_in_.data(), loss_out_.data(), figures_, comm::DType::kFloat32, comm::ReduceOp::kSum);
 }
 
 Status Runtime::FinishPushes() {
@@ -1173,8 +1172,11 @@ Status Runtime::Settle() {
   return status;
 }
 
-Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens) {
+Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_t tokens, std::span<float> more) {
   if (!in_step_) return FailedPrecondition("EndStep without BeginStep");
+  if (more.size() > kMaxStepFigures) {
+    return InvalidArgument("EndStep: {} more figures, at most {}", more.size(), kMaxStepFigures);
+  }
   // Sharded: the gradient is handed back bucket by bucket as it is sent, so
   // there is none to push again.
   grads_step_ = sharded_ ? 0 : step_;
@@ -1184,6 +1186,8 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);
   loss_in_[2] = static_cast<float>(tokens);
+  std::copy(more.begin(), more.end(), loss_in_.begin() + 3);
+  figures_ = 3 + more.size();
   const uint64_t complete = EnqueueFinish();
   const auto waited = Clock::now();
   Status status;
@@ -1249,6 +1253,7 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   result.loss = loss_out_[0];
   result.samples = static_cast<uint64_t>(loss_out_[1]);
   result.tokens = static_cast<uint64_t>(loss_out_[2]);
+  std::copy_n(loss_out_.begin() + 3, more.size(), more.begin());
   completed_ = step_;
   plane_.ReportStep(completed_);
   return result;

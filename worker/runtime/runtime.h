@@ -90,6 +90,7 @@
 // training thread only. Stop() may be called from any thread.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -350,7 +351,13 @@ class Runtime {
   // this rank's loss times its share of the global batch; `samples` and
   // `tokens` are this rank's. A failure (a membership change, a peer that
   // died) leaves the step to be retried by the next BeginStep.
-  Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens);
+  //
+  // `more` (at most kMaxStepFigures values) rides along: summed over the
+  // world with the loss and written back in place, or left as it is in the
+  // asynchronous modes (a worker's own figures there). The PyTorch front end
+  // sends its progress figures so, without a collective of its own.
+  Result<StepResult> EndStep(double loss_share, uint64_t samples, uint64_t tokens, std::span<float> more = {});
+  static constexpr size_t kMaxStepFigures = 8;
 
   // Makes the parameters [now.first, now.second) of the stage's buffer
   // valid. Replicated: waits for those still landing from the last step
@@ -545,8 +552,11 @@ class Runtime {
   std::atomic<double> lr_{0};
   double step_lr_ = 0;
   double grads_lr_ = 0;
-  float loss_in_[3] = {0, 0, 0};
-  float loss_out_[3] = {0, 0, 0};
+  // The step's figures summed over the world: loss share, samples, tokens,
+  // then EndStep's `more`.
+  std::array<float, 3 + kMaxStepFigures> loss_in_{};
+  std::array<float, 3 + kMaxStepFigures> loss_out_{};
+  size_t figures_ = 3;
 
   // The communication thread and its queue; a failed task fails the rest of
   // the step's tasks with the same status.
