@@ -5,7 +5,7 @@
 // two or more of these, for example
 //
 //   build/bin/tandem-coordinator --job-min-workers 2 --job-max-workers 2 &
-//   build/bin/tandem-example-custom-loop --coordinator-address 127.0.0.1:7500
+//   build/bin/tandem-example-custom-loop --coordinator-address 127.0.0.1:7400
 //       --node-id a --train-mode allreduce --train-steps 100
 //       --listen-address 127.0.0.1:0 --metrics-address 127.0.0.1:0 &
 //   (the same with --node-id b; each command on one line)

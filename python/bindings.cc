@@ -179,6 +179,9 @@ class Worker {
     // Before the data plane it uses goes, with the GIL held: its options
     // hold Python callables (the optimizer-state hooks).
     runtime.reset();
+    // The metrics live in the daemon's registry: they do not outlive it (a
+    // record_step after shutdown records nothing).
+    metrics_.reset();
     py::gil_scoped_release release;
     int code = 0;
     if (daemon_ != nullptr) {

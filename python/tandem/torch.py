@@ -12,8 +12,8 @@ A training script becomes a Tandem worker with a few lines::
         opt.zero_grad()
         loss = loss_fn(model(x), y)          # the mean over this rank's samples
         loss.backward()                      # gradients leave in buckets during backward
-        opt.step()                           # on the servers (hybrid, ps) or locally (allreduce)
         tt.report(loss=loss.item(), samples=len(plan.samples))
+        opt.step()                           # on the servers (hybrid, ps) or locally (allreduce)
 
 Under ``tandem run --script`` (or with a coordinator named in the flags) the
 process registers with the coordinator, serves gRPC health and /metrics and
@@ -44,6 +44,8 @@ import weakref
 import torch
 
 from . import TandemError, _tandem
+from ._progress import Progress
+from ._server_optimizer import optimizer_text
 from . import builtin_corpus  # noqa: F401  (re-exported: tandem.torch.builtin_corpus)
 
 __all__ = [
@@ -366,7 +368,7 @@ def steps(total_steps=None, global_batch=None):
 
 
 def _local_steps(s, opt, total, batch):
-    progress = _Progress(s, opt)
+    progress = Progress(s, opt)
     for step in range(1, total + 1):
         plan = Plan(step, 1, 0, 1, 0, 1, batch, False, 0)
         s.plan = s.last_plan = plan
@@ -382,7 +384,7 @@ def _local_steps(s, opt, total, batch):
 
 def _distributed_steps(s, opt, total, batch):
     w = s.worker
-    progress = _Progress(s, opt)
+    progress = Progress(s, opt)
     attempts = {}
     while True:
         try:
@@ -392,8 +394,10 @@ def _distributed_steps(s, opt, total, batch):
             raise
         if raw.step > total:
             try:
-                opt._land_all()
+                # Waits for the last step's parameters, here and on every
+                # other worker (none leaves while a peer's are landing).
                 w.finish_run()
+                opt._landed = opt._count
             except TandemError as e:
                 _raise_stopped(s, e)
                 if e.fatal:
@@ -431,144 +435,6 @@ def _raise_stopped(s, error):
         raise SystemExit(0)
 
 
-class _Progress:
-    """Global rank 0's progress file and the tandem_train_* metrics."""
-
-    def __init__(self, s, opt):
-        self.s = s
-        self.opt = opt
-        cfg = s.config
-        self.progress_file = cfg.progress_file
-        self.sample_file = None
-        if cfg.sample_log:
-            self.sample_file = open(cfg.sample_log, "a")
-        self.last_checkpoint = None
-        self.records = []
-
-    def sample_log(self, plan):
-        if self.sample_file is None:
-            return
-        # Before the gradients leave: a step cannot complete without its line.
-        line = {
-            "step": plan.step,
-            "epoch": plan.epoch,
-            "dp_rank": plan.dp_rank,
-            "dp_size": plan.dp_size,
-            "start": time.time(),
-            "time": time.time(),
-            "samples": list(plan.samples),
-        }
-        self.sample_file.write(json.dumps(line) + "\n")
-        self.sample_file.flush()
-
-    def record(self, plan, seconds):
-        rep = plan.reported  # (loss or None, samples, tokens), or None
-        result = plan.result
-        nan = float("nan")
-        if rep is None:
-            rep = (None, len(plan.samples), 0)
-        if self.s.worker is None:
-            loss, samples, tokens = (rep[0] if rep[0] is not None else nan), rep[1], rep[2]
-        elif self.s.config.consistency != "sync":
-            # Asynchronous modes: no collective between steps; this worker's own figures.
-            loss = rep[0] if rep[0] is not None else nan
-            samples, tokens = rep[1] * plan.dp_size, rep[2] * plan.dp_size
-        else:
-            # The figures reported before opt.step() were summed with the
-            # step (_DistributedOptimizer.step). Every rank sees the same
-            # count of ranks that had not reported by then: when it is not
-            # zero, every rank (whether it reports late or not at all) takes
-            # part in one more small sum of what came after.
-            total_loss, shares, samples, tokens, late = plan.summed
-            if late > 0:
-                early = plan.reported_at_step
-                mine = [0.0, 0.0, 0.0, 0.0]
-                if early is None and plan.reported is not None:
-                    mine = [(rep[0] or 0.0) * plan.share, plan.share if rep[0] is not None else 0.0, float(rep[1]),
-                            float(rep[2])]
-                try:
-                    self.opt._land_all()  # nothing else in flight beside the sum
-                    more = self.s.worker.allreduce_between_steps(mine)
-                    total_loss, shares, samples, tokens = (a + b for a, b in
-                                                           zip((total_loss, shares, samples, tokens), more))
-                except TandemError:
-                    shares = 0.0
-            loss = total_loss / shares if shares > 0 else nan
-        exposed = result.exposed_seconds if result is not None else 0.0
-        record = {
-            "step": plan.step,
-            "epoch": plan.epoch,
-            "loss": float(loss),
-            "tokens": int(tokens),
-            "samples": int(samples),
-            "step_seconds": seconds,
-            "compute_seconds": max(0.0, seconds - exposed),
-            "comm_seconds": result.comm_seconds if result is not None else 0.0,
-            "exposed_seconds": exposed,
-            "world_size": plan.world_size,
-            "rank": plan.rank,
-            "retries": plan.attempt,
-            "resynced": plan.resynced,
-            "parameter_bytes": self.opt._flat_params.numel() * 4,
-        }
-        self.records.append(record)
-        if self.s.worker is None:
-            return
-        line = self.s.worker.record_step(record)
-        if plan.rank == 0 and self.progress_file:
-            with open(self.progress_file, "a") as f:
-                f.write(line + "\n")
-
-    def checkpoint(self, plan, total):
-        cfg = self.s.config
-        if (
-            plan.rank != 0
-            or not cfg.checkpoint_dir
-            or cfg.checkpoint_every <= 0
-            or self.opt._mode == "allreduce"
-            or plan.step % cfg.checkpoint_every != 0
-            or plan.step == total
-        ):
-            return
-        try:
-            self.last_checkpoint = self.s.worker.save_checkpoint(cfg.checkpoint_dir, plan.step, 600.0)
-        except TandemError as e:
-            if e.fatal:
-                raise
-            warnings.warn(f"step {plan.step}: the checkpoint was not saved: {e.message}")
-
-    def finish(self, total):
-        s = self.s
-        cfg = s.config
-        if self.sample_file is not None:
-            self.sample_file.close()
-        if s.worker is None:
-            return
-        plan = s.last_plan
-        if plan is None or plan.rank != 0:
-            return
-        if cfg.params_out:
-            tmp = cfg.params_out + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(self.opt._flat_params.numpy().tobytes())
-            os.replace(tmp, cfg.params_out)
-        if cfg.checkpoint_dir and self.opt._mode != "allreduce":
-            self.last_checkpoint = s.worker.save_checkpoint(cfg.checkpoint_dir, total, 600.0)
-        if self.progress_file:
-            with open(self.progress_file, "a") as f:
-                f.write(
-                    json.dumps(
-                        {
-                            "finished": True,
-                            "steps": s.worker.completed_steps(),
-                            "checkpoint": self.last_checkpoint,
-                            "time": time.time(),
-                        }
-                    )
-                    + "\n"
-                )
-
-
 # --- LR schedulers ------------------------------------------------------------
 #
 # Schedulers built on a DistributedOptimizer are recorded on it, so that a step
@@ -591,101 +457,6 @@ if not getattr(_scheduler_base.__init__, "_tandem", False):
 
 
 # --- the optimizer ------------------------------------------------------------
-
-
-def _optimizer_text(opt, mode, groups, max_grad_norm, non_finite, lr_schedule):
-    """The servers' OptimizerConfig (protobuf text format) for a torch optimizer."""
-    kind = type(opt)
-    name = f"{kind.__module__}.{kind.__qualname__}"
-    pg = opt.param_groups
-    first = pg[0]
-
-    def refuse(key, why):
-        raise ValueError(f"{name}: {key} {why}: the parameter servers cannot honour it (use mode='allreduce' to run "
-                         f"the optimizer locally)")
-
-    def same(key):
-        for i, g in enumerate(pg[1:], 1):
-            if g.get(key) != first.get(key):
-                refuse(
-                    f"param_groups[{i}]['{key}'] = {g.get(key)!r}",
-                    f"differs from param_groups[0]'s {first.get(key)!r} (the servers apply one value per job; only "
-                    f"lr and weight_decay may differ between groups)",
-                )
-
-    for g in pg:
-        if g.get("maximize", False):
-            refuse("maximize=True", "is set")
-    if isinstance(opt, torch.optim.SGD):
-        for key in ("momentum", "nesterov", "dampening"):
-            same(key)
-        if first.get("dampening", 0) != 0:
-            refuse(f"dampening={first['dampening']}", "is not 0")
-        rule = "sgd {{ lr: {lr!r} momentum: {m!r} nesterov: {n} weight_decay: {wd!r} }}".format(
-            lr=float(first["lr"]),
-            m=float(first.get("momentum", 0.0)),
-            n="true" if first.get("nesterov", False) else "false",
-            wd=float(first.get("weight_decay", 0.0)),
-        )
-    elif isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
-        for key in ("betas", "eps", "amsgrad"):
-            same(key)
-        if first.get("amsgrad", False):
-            refuse("amsgrad=True", "is set")
-        decoupled = isinstance(opt, torch.optim.AdamW)
-        b1, b2 = first["betas"]
-        rule = (
-            "adam {{ lr: {lr!r} beta1: {b1!r} beta2: {b2!r} eps: {eps!r} weight_decay: {wd!r} "
-            "decoupled_weight_decay: {d} bias_correction: true }}"
-        ).format(
-            lr=float(first["lr"]),
-            b1=float(b1),
-            b2=float(b2),
-            eps=float(first["eps"]),
-            wd=float(first.get("weight_decay", 0.0)),
-            d="true" if decoupled else "false",
-        )
-    else:
-        raise TypeError(
-            f"{name} is not an optimizer the parameter servers run (torch.optim.SGD, Adam and AdamW): use "
-            f"mode='allreduce' to run it locally on every worker"
-        )
-    text = [rule, "reduction: GRADIENT_REDUCTION_SUM"]
-    base_lr = float(first["lr"])
-    base_wd = float(first.get("weight_decay", 0.0))
-    for i, g in enumerate(pg):
-        if i == 0 or g["params"] == []:
-            continue
-        overrides = []
-        lr = float(g["lr"])
-        if lr != base_lr:
-            if base_lr <= 0:
-                raise ValueError(f"{name}: param_groups[0]['lr'] is {base_lr}, so param_groups[{i}]'s lr {lr} "
-                                 "cannot be a multiple of it")
-            overrides.append(f"lr_scale: {lr / base_lr!r}")
-        if float(g.get("weight_decay", 0.0)) != base_wd:
-            overrides.append(f"weight_decay: {float(g.get('weight_decay', 0.0))!r}")
-        if overrides:
-            text.append(f'group_overrides {{ key: "{groups[i]}" value {{ {" ".join(overrides)} }} }}')
-    if max_grad_norm:
-        text.append(f"max_grad_norm: {float(max_grad_norm)!r}")
-    text.append(
-        "non_finite_policy: " + ("NON_FINITE_POLICY_FAIL" if non_finite == "fail" else "NON_FINITE_POLICY_SKIP_STEP")
-    )
-    if lr_schedule:
-        kinds = {"constant": "CONSTANT", "cosine": "COSINE", "linear": "LINEAR"}
-        kind_name = lr_schedule.get("kind", "constant")
-        if kind_name not in kinds:
-            raise ValueError(f"lr_schedule['kind'] = {kind_name!r} is not one of {', '.join(kinds)}")
-        text.append(
-            "lr_schedule {{ kind: LR_SCHEDULE_KIND_{k} warmup_steps: {w} total_steps: {t} min_lr_ratio: {r!r} }}".format(
-                k=kinds[kind_name],
-                w=int(lr_schedule.get("warmup_steps", 0)),
-                t=int(lr_schedule.get("total_steps", 0)),
-                r=float(lr_schedule.get("min_lr_ratio", 0.0)),
-            )
-        )
-    return "\n".join(text)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -769,7 +540,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if s.describe:
             if self._mode != "allreduce":
                 gn = {gi: ("" if gi == 0 else f"group{gi}") for gi in range(len(self.param_groups))}
-                _optimizer_text(self, self._mode, gn, self._max_grad_norm, non_finite, lr_schedule)
+                optimizer_text(self, self._mode, gn, self._max_grad_norm, non_finite, lr_schedule)
             with open(s.describe, "w") as f:
                 json.dump({"parameters": count, "tensors": len(params)}, f)
             sys.stdout.flush()
@@ -822,7 +593,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if explicit_mode and self._mode != "allreduce":
                 # The servers' checks, so that a single run (and `tandem run`'s
                 # look at the script) finds what a cluster would refuse.
-                _optimizer_text(self, self._mode, group_names, self._max_grad_norm, non_finite, lr_schedule)
+                optimizer_text(self, self._mode, group_names, self._max_grad_norm, non_finite, lr_schedule)
             s.optimizer = self
             return
         s.optimizer = self
@@ -851,7 +622,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             runtime_options["save_state"] = self._save_local_state
             runtime_options["load_state"] = self._load_local_state
         else:
-            runtime_options["optimizer"] = _optimizer_text(
+            runtime_options["optimizer"] = optimizer_text(
                 self, self._mode, group_names, self._max_grad_norm, non_finite, lr_schedule
             )
         s.worker.create_runtime(runtime_options)

@@ -1364,7 +1364,18 @@ Status Runtime::WaitForParameters() {
 }
 
 Status Runtime::FinishRun() {
-  if (!asynchronous() || options_.mode == TrainingMode::kAllReduce || synced_epoch_ == 0) return Status::Ok();
+  if (options_.mode == TrainingMode::kAllReduce || synced_epoch_ == 0) return Status::Ok();
+  if (!asynchronous()) {
+    if (!options_.overlap_parameter_landing) return Status::Ok();
+    Status s = WaitForParameters();
+    if (s.ok()) {
+      float mine = 0, all = 0;
+      s = world_->AllReduce(&mine, &all, 1, comm::DType::kFloat32, comm::ReduceOp::kSum)
+              .WithContext("waiting for every worker's final parameters");
+    }
+    if (!s.ok()) EndFailedStep(s);
+    return s;
+  }
   Status s = WaitForEveryWorker();
   if (s.ok()) {
     // No push changes the servers' parameters any more.

@@ -387,9 +387,13 @@ class Runtime {
   // before the final parameters are read. Asynchronous modes: waits, without
   // a time limit and through the coordinator, until every worker of the
   // epoch has ended its last step, logging every 30 s, then pulls the
-  // servers' parameters, which no push changes any more. Sync: nothing to
-  // do. An error ends the step as a failed one: the next BeginStep waits
-  // for a newer epoch and resynchronises.
+  // servers' parameters, which no push changes any more. Synchronous
+  // server modes with overlap_parameter_landing: waits until this worker's
+  // parameters have all landed and then for every other worker's (one
+  // all-reduce over the world), so that a worker that leaves the job as soon
+  // as it is done (a Python script that ends) cannot cut off a peer's last
+  // all-gather. Otherwise nothing to do. An error ends the step as a failed
+  // one: the next BeginStep waits for a newer epoch and resynchronises.
   Status FinishRun();
   // Whether a failure ends training (bad configuration or input, state that
   // no worker holds any more, Stop()) rather than a membership change to
