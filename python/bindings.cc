@@ -68,6 +68,23 @@ std::string CodeName(StatusCode code) {
   return std::string(StatusCodeName(code));
 }
 
+// The model's tensors as Python gives them: (name, shape, flat_offset, group).
+using TensorTable = std::vector<std::tuple<std::string, std::vector<int64_t>, size_t, std::string>>;
+
+std::vector<v1::TensorSpec> Specs(const TensorTable& tensors) {
+  std::vector<v1::TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& [name, shape, offset, group] : tensors) {
+    v1::TensorSpec& t = specs.emplace_back();
+    t.set_name(name);
+    t.set_dtype(v1::DTYPE_FLOAT32);
+    for (int64_t d : shape) t.add_shape(d);
+    t.set_flat_offset(offset);
+    if (!group.empty()) t.set_group(group);
+  }
+  return specs;
+}
+
 // The daemon of a Python worker, and the runtime its training loop drives.
 class Worker {
  public:
@@ -296,21 +313,19 @@ class Worker {
     return *runtime_;
   }
 
-  // tensors: (name, shape, flat_offset, group) for each tensor.
-  void Attach(uintptr_t params, uintptr_t grads, size_t count,
-              const std::vector<std::tuple<std::string, std::vector<int64_t>, size_t, std::string>>& tensors) {
-    std::vector<v1::TensorSpec> specs;
-    specs.reserve(tensors.size());
-    for (const auto& [name, shape, offset, group] : tensors) {
-      v1::TensorSpec& t = specs.emplace_back();
-      t.set_name(name);
-      t.set_dtype(v1::DTYPE_FLOAT32);
-      for (int64_t d : shape) t.add_shape(d);
-      t.set_flat_offset(offset);
-      if (!group.empty()) t.set_group(group);
-    }
+  void Attach(uintptr_t params, uintptr_t grads, size_t count, const TensorTable& tensors) {
     Check(runtime().Attach(std::span<float>(reinterpret_cast<float*>(params), count),
-                           std::span<float>(reinterpret_cast<float*>(grads), count), std::move(specs)));
+                           std::span<float>(reinterpret_cast<float*>(grads), count), Specs(tensors)));
+  }
+
+  // Server modes, before the first step: the servers start from the
+  // checkpoint in `dir` with this optimizer configuration (text format).
+  void SetInitialState(const std::string& dir, const std::string& optimizer) {
+    v1::OptimizerConfig config;
+    if (!google::protobuf::TextFormat::ParseFromString(optimizer, &config)) {
+      Throw(InvalidArgument("the optimizer configuration does not parse: {}", optimizer));
+    }
+    Check(runtime().SetInitialState(dir, std::move(config)));
   }
 
   worker::StepPlan BeginStep() {
@@ -458,6 +473,43 @@ class Worker {
   int stop_pipe_[2] = {-1, -1};
 };
 
+// Writes a parameter-server checkpoint of the whole model into `dir`: one
+// partition over [0, count) holding the weights and `state_buffers` of the
+// state arrays (addresses of count floats each), at training step `step`
+// with `version` (1 + the optimizer updates the state has seen), for the
+// tensor table `tensors` (its fingerprint) and optimizer `optimizer` ("sgd",
+// "adam", "adamw"). The servers restore it onto any partitioning.
+void WriteCheckpoint(const std::string& dir, const TensorTable& tensors, uintptr_t weights, size_t count,
+                     uintptr_t state0, uintptr_t state1, int state_buffers, const std::string& optimizer, uint64_t step,
+                     uint64_t version) {
+  const std::vector<v1::TensorSpec> specs = Specs(tensors);
+  google::protobuf::RepeatedPtrField<v1::TensorSpec> table(specs.begin(), specs.end());
+  server::CheckpointMeta meta;
+  meta.job_id = "tandem.torch";
+  meta.checkpoint_id = "torch-state";
+  meta.step = step;
+  meta.parameter_count = count;
+  meta.tensor_fingerprint = server::TensorTableFingerprint(table);
+  meta.optimizer = optimizer;
+  meta.state_buffers = static_cast<uint32_t>(state_buffers);
+  server::PartitionState part;
+  part.begin = 0;
+  part.end = count;
+  part.step = step;
+  part.version = version;
+  const auto* w = reinterpret_cast<const float*>(weights);
+  part.weights.assign(w, w + count);
+  if (state_buffers >= 1)
+    part.state0.assign(reinterpret_cast<const float*>(state0), reinterpret_cast<const float*>(state0) + count);
+  if (state_buffers >= 2)
+    part.state1.assign(reinterpret_cast<const float*>(state1), reinterpret_cast<const float*>(state1) + count);
+  Status s = [&] {
+    py::gil_scoped_release release;
+    return server::WriteCheckpointFiles(dir, meta, {&part}, nullptr, nullptr);
+  }();
+  if (!s.ok()) Throw(s);
+}
+
 // A checkpoint's whole state: (meta, weights, state0, state1) with the
 // arrays as bytes of little-endian fp32.
 py::tuple ReadCheckpoint(const std::string& dir) {
@@ -544,6 +596,7 @@ PYBIND11_MODULE(_tandem, m) {
       .def("watch_wakeup_fd", &Worker::WatchWakeupFd)
       .def("create_runtime", &Worker::CreateRuntime)
       .def("attach", &Worker::Attach)
+      .def("set_initial_state", &Worker::SetInitialState)
       .def("begin_step", &Worker::BeginStep)
       .def("gradients_ready", &Worker::GradientsReady)
       .def("set_step_learning_rate", &Worker::SetStepLearningRate)
@@ -560,6 +613,7 @@ PYBIND11_MODULE(_tandem, m) {
       .def("completed_steps", [](Worker& w) { return w.runtime().completed_steps(); });
 
   m.def("read_checkpoint", &tandem::python::ReadCheckpoint, py::arg("dir"));
+  m.def("write_checkpoint", &tandem::python::WriteCheckpoint);
   m.def("builtin_corpus", [] {
     std::string corpus = tandem::data::DefaultCorpus();
     return py::bytes(corpus);

@@ -31,6 +31,7 @@ of the step is trained once.
 
 import atexit
 import contextlib
+import copy
 import io
 import json
 import math
@@ -572,6 +573,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._ends = [o + p.numel() for o, (_, p) in zip(self._offsets, params)]
         self._end_of = {id(p): e for e, (_, p) in zip(self._ends, params)}
         self._landed = count
+        self._tensor_table = tensors
+        self._group_names = group_names
+        self._lr_schedule = lr_schedule
+        self._resume_from = resume_from or cfg.resume_from
+        self._begun = False
         self._param_ptrs = [p.data_ptr() for _, p in params]
         self._grad_views = [p.grad for _, p in params]
         self._param_total = sum(len(g["params"]) for g in self.param_groups)
@@ -631,6 +637,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # -- during a step ------------------------------------------------------
 
     def _begin(self, plan):
+        self._begun = True
         self._begin_schedulers(plan)
         self._forward_step_lr()
 
@@ -983,7 +990,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 if m0 is not None:
                     entry["momentum_buffer"] = m0[lo : lo + n].clone().view(p.shape)
             else:
-                entry["step"] = torch.tensor(float(meta["step"]))
+                entry["step"] = torch.tensor(float(max(0, meta["version"] - 1)))  # the updates applied
                 entry["exp_avg"] = m0[lo : lo + n].clone().view(p.shape)
                 entry["exp_avg_sq"] = m1[lo : lo + n].clone().view(p.shape)
             if entry:
@@ -991,18 +998,92 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": base["param_groups"]}
 
     def load_state_dict(self, state_dict):
-        """Loads a torch optimizer state_dict: into the wrapped optimizer in
-        allreduce mode (and alone); in the server modes the servers hold the
-        optimizer state, so resume from their checkpoint instead (train.resume_from,
-        or ``DistributedOptimizer(..., resume_from=DIR)``)."""
+        """Loads a torch optimizer state_dict (torch's own, or this wrapper's
+        ``state_dict()``). Allreduce mode and alone: into the wrapped
+        optimizer. Server modes: before the first step, it becomes the
+        servers' initial state: their configuration from the loaded
+        param_groups, their moments from its state, the model's current
+        parameters as the weights (load the model's state first), and the
+        update count from its ``step`` (Adam, AdamW); the loop still starts
+        at step 1. After training began the servers hold the state: resume
+        from one of their checkpoints instead (``resume_from``)."""
         sup = super(self.__class__, self)
-        if self._mode == "allreduce" or self._session.worker is None:
+        s = self._session
+        if self._mode == "allreduce" or s.worker is None:
             sup.load_state_dict(state_dict)
             return
-        raise NotImplementedError(
-            "in the server modes the parameter servers hold the optimizer state: resume from their checkpoint "
-            "with train.resume_from (tandem run --train-resume-from DIR) or DistributedOptimizer(..., resume_from=DIR)"
-        )
+        if self._begun:
+            raise RuntimeError(
+                "load_state_dict in a server mode sets the servers' initial state: call it before the first step. "
+                "Once training began the servers hold the optimizer state; resume from one of their checkpoints "
+                "with train.resume_from (tandem run --train-resume-from DIR) or DistributedOptimizer(..., "
+                "resume_from=DIR)"
+            )
+        if self._resume_from:
+            raise ValueError(
+                f"load_state_dict with resume_from={self._resume_from!r}: the servers start from one or the other"
+            )
+        before = copy.deepcopy(sup.state_dict())
+        sup.load_state_dict(state_dict)  # torch checks the groups' sizes and moves the state onto the parameters
+        try:
+            self._load_into_servers(s)
+        except BaseException:
+            # The wrapper as it was: nothing reached the servers.
+            sup.load_state_dict(before)
+            raise
+
+    def _load_into_servers(self, s):
+        import tempfile
+
+        text = optimizer_text(self, self._mode, self._group_names, self._max_grad_norm, self._non_finite,
+                              self._lr_schedule)
+        sgd = isinstance(self, torch.optim.SGD)
+        buffers = 2 if not sgd else (1 if float(self.param_groups[0].get("momentum", 0.0)) > 0 else 0)
+        state0 = torch.zeros(self._count, dtype=torch.float32) if buffers >= 1 else None
+        state1 = torch.zeros(self._count, dtype=torch.float32) if buffers >= 2 else None
+        counts = {}
+        for i, (name, p) in enumerate(self._params):
+            st = self.state.get(p) or {}
+            lo, n = self._offsets[i], p.numel()
+            if sgd:
+                buf = st.get("momentum_buffer")
+                if buf is not None and state0 is not None:
+                    state0[lo : lo + n].copy_(buf.reshape(-1))
+                    counts[name] = 1  # SGD's state keeps no count: updated at least once
+                else:
+                    counts[name] = 0
+                continue
+            if not st:
+                counts[name] = 0
+                continue
+            missing = [k for k in ("step", "exp_avg", "exp_avg_sq") if k not in st]
+            if missing:
+                raise ValueError(f"the state of parameter {name!r} has no {', '.join(missing)}")
+            state0[lo : lo + n].copy_(st["exp_avg"].reshape(-1))
+            state1[lo : lo + n].copy_(st["exp_avg_sq"].reshape(-1))
+            counts[name] = int(float(st["step"]))
+        updates = set(counts.values())
+        if len(updates) > 1:
+            some = ", ".join(f"{n!r}: {c}" for n, c in list(counts.items())[:6])
+            raise ValueError(
+                f"the state's parameters have seen different numbers of updates ({some}, ...): the parameter servers "
+                "keep one count for the model"
+            )
+        updates = updates.pop()
+        directory = ""
+        if updates > 0 or any(self.state.get(p) for _, p in self._params):
+            directory = tempfile.mkdtemp(prefix="tandem-torch-state-", dir=s.config.checkpoint_dir or None)
+            kinds = {torch.optim.SGD: "sgd", torch.optim.AdamW: "adamw", torch.optim.Adam: "adam"}
+            kind = next(v for k, v in kinds.items() if isinstance(self, k))
+            _tandem.write_checkpoint(
+                directory, self._tensor_table, self._flat_params.data_ptr(), self._count,
+                state0.data_ptr() if state0 is not None else 0, state1.data_ptr() if state1 is not None else 0,
+                buffers, kind, 0, updates + 1,
+            )
+        s.worker.set_initial_state(directory, text)  # no directory: the hyperparameters only
+        # The learning rates the steps forward are relative to the loaded groups.
+        self._base_lr = float(self.param_groups[0]["lr"])
+        self._lr_ratios = [float(g["lr"]) / self._base_lr if self._base_lr > 0 else 1.0 for g in self.param_groups]
 
 
 def DistributedOptimizer(

@@ -755,4 +755,29 @@ Status CheckpointReader::Verify() const {
   return Status::Ok();
 }
 
+uint64_t TensorTableFingerprint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors) {
+  uint64_t h = 14695981039346656037ull;
+  auto mix = [&h](const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+    for (size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 1099511628211ull;
+    }
+  };
+  for (const auto& t : tensors) {
+    const uint64_t len = t.name().size();
+    mix(&len, sizeof(len));
+    mix(t.name().data(), t.name().size());
+    const uint64_t dims = static_cast<uint64_t>(t.shape_size());
+    mix(&dims, sizeof(dims));
+    for (int64_t d : t.shape()) mix(&d, sizeof(d));
+    const int32_t dtype = t.dtype();
+    mix(&dtype, sizeof(dtype));
+    const uint64_t glen = t.group().size();
+    mix(&glen, sizeof(glen));
+    mix(t.group().data(), t.group().size());
+  }
+  return h;
+}
+
 }  // namespace tandem::server

@@ -21,6 +21,7 @@
 
 #include "common/status.h"
 #include "server/partition_state.h"
+#include "tandem/v1/types.pb.h"
 
 namespace tandem::server {
 
@@ -49,6 +50,12 @@ struct CheckpointWriteOptions {
   // Payload bytes per checksum block: a multiple of 4 from 4 bytes to 64 MiB.
   uint32_t block_bytes = kCheckpointDefaultBlockBytes;
 };
+
+// The fingerprint of a tensor table (FNV-1a over names, shapes, dtypes and
+// groups) that CheckpointMeta::tensor_fingerprint records: the servers
+// compute it from the job's table, and a checkpoint restores only onto the
+// same table.
+uint64_t TensorTableFingerprint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors);
 
 // Validates a checkpoint id (INVALID_ARGUMENT naming it): 1..128 bytes of
 // [A-Za-z0-9._-], and neither "." nor "..".

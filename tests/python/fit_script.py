@@ -12,6 +12,10 @@ parameters (rank 0, or alone) to --out as raw fp32 in named_parameters order.
   --bad NAME                      a bad input (see the --bad cases in main)
   --step-sleep S                  sleep S seconds in every step (membership changes land mid-run)
   --losses FILE                   alone: write the loss of every step to FILE (a JSON list)
+  --load-params FILE              start from these parameters (raw fp32, as --out writes them)
+  --load-state FILE               opt.load_state_dict(torch.load(FILE)) before the first step
+  --save-state FILE               alone: torch.save(opt.state_dict(), FILE) after the last step
+  --first-sample N                the loop's sample indices start at N (a run that continues another)
   --report-first                  tt.report() before opt.step() (default: after it)
   --hidden N                      the hidden layer's width (default 16; wider makes many buckets
                                   with small partitions, so parameters land during the next forward)
@@ -51,6 +55,10 @@ def main():
     ap.add_argument("--hidden", type=int, default=16)
     ap.add_argument("--report-first", action="store_true")
     ap.add_argument("--losses", default="")
+    ap.add_argument("--load-params", default="")
+    ap.add_argument("--load-state", default="")
+    ap.add_argument("--save-state", default="")
+    ap.add_argument("--first-sample", type=int, default=0)
     args = ap.parse_args()
 
     cfg = tt.init()
@@ -64,6 +72,10 @@ def main():
         model = model.double()
     if args.bad == "noncontiguous":
         model[0].weight.data = model[0].weight.data.t().contiguous().t()
+    if args.load_params:
+        with open(args.load_params, "rb") as f:
+            flat = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
+        torch.nn.utils.vector_to_parameters(flat, model.parameters())
     root = model
     if args.bad == "unused":
         # A parameter the forward never uses.
@@ -93,6 +105,8 @@ def main():
     sched = None
     if args.schedule:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    if args.load_state:
+        opt.load_state_dict(torch.load(args.load_state))
     if args.bad == "resize":
         model[2].bias.data = torch.zeros(OUT)
     if args.bad == "add_group":
@@ -102,7 +116,7 @@ def main():
     for plan in tt.steps(steps, batch):
         if args.fail_at and plan.step == args.fail_at and plan.rank == 1:
             raise ValueError(f"the test script fails at step {plan.step} on purpose")
-        idx = list(plan.samples)
+        idx = [args.first_sample + i for i in plan.samples]
         time.sleep(args.step_sleep)
         opt.zero_grad()
         micro = [idx[k::args.accumulate] for k in range(args.accumulate)]
@@ -138,6 +152,8 @@ def main():
         if not args.report_first:
             tt.report(loss=total_loss, samples=len(idx))
         losses.append(total_loss)
+    if args.save_state and not tt.is_distributed():
+        torch.save(opt.state_dict(), args.save_state)
     if args.losses and not tt.is_distributed():
         with open(args.losses, "w") as f:
             json.dump(losses, f)

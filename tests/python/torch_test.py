@@ -164,6 +164,29 @@ class ClusterTest(unittest.TestCase):
         # all but the first land while the next step's forward runs.
         self.check_modes(["--optimizer", "adamw", "--schedule", "--hidden", "1024", "--report-first"], per_node=2, extra=SMALL_BUCKETS)
 
+    def test_a_torch_optimizer_state_loads_into_the_servers(self):
+        """Steps 1-4 alone, saved as torch saves them (parameters, AdamW's
+        state_dict); steps 5-8 on 2 workers in hybrid and ps modes after
+        load_state_dict: the parameters of 8 steps alone (moments and update
+        count carried over)."""
+        work = tempfile.mkdtemp(prefix="tandem-torch-test-")
+        args = ["--optimizer", "adamw"]
+        ref = self.reference(work, args + ["--steps", "8"])
+        half, state = os.path.join(work, "half.bin"), os.path.join(work, "half.state")
+        p = run_alone(*args, "--steps", "4", "--out", half, "--save-state", state)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        for mode in ("hybrid", "ps"):
+            with self.subTest(mode=mode):
+                out = os.path.join(work, f"{mode}.bin")
+                p, summary = run_cluster(
+                    work, args + ["--load-params", half, "--load-state", state, "--first-sample", str(4 * 16),
+                                  "--out", out], mode=mode, steps=4)
+                self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+                # The servers count updates: the 4 the loaded state had seen and 4 more.
+                self.assertEqual(summary["server_steps_applied"], 8)
+                self.assertEqual(summary["steps"], 4)
+                torch.testing.assert_close(params(out), ref, rtol=1e-5, atol=1e-6)
+
     def test_a_parameter_read_outside_its_module_is_refused(self):
         """With parameters landing during the forward, a parameter the forward
         reads without its module's forward (where Tandem waits for it) fails

@@ -968,6 +968,17 @@ void Runtime::SetStepLearningRate(double lr) {
   lr_.store(lr);
 }
 
+Status Runtime::SetInitialState(std::string resume_from, v1::OptimizerConfig optimizer) {
+  if (options_.mode == TrainingMode::kAllReduce) return FailedPrecondition("allreduce mode has no parameter servers");
+  if (in_step_ || synced_epoch_ != 0 || completed_ != 0 || servers_initialized_) {
+    return FailedPrecondition("the servers' initial state is set before the first step");
+  }
+  optimizer.set_reduction(v1::GRADIENT_REDUCTION_SUM);  // as the constructor sets the options' (see "Gradients")
+  options_.resume_from = std::move(resume_from);
+  options_.optimizer = std::move(optimizer);
+  return Status::Ok();
+}
+
 void Runtime::GradientsReady(size_t ready_from) {
   if (!in_step_) return;
   if (next_bucket_ == 0) {  // nothing of the step sent yet: the step's learning rate

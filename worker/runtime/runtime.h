@@ -345,6 +345,14 @@ class Runtime {
   // INVALID_ARGUMENT (fatal). Thread-safe.
   void SetStepLearningRate(double lr);
 
+  // Server modes, before the first BeginStep: the servers start from the
+  // checkpoint `resume_from` (as RuntimeOptions::resume_from says) with
+  // `optimizer` as their configuration instead of the options'. The PyTorch
+  // front end's load_state_dict writes the checkpoint from a torch optimizer
+  // state. FAILED_PRECONDITION once a step began (the servers hold the state
+  // then) or in allreduce mode.
+  Status SetInitialState(std::string resume_from, v1::OptimizerConfig optimizer);
+
   // Finishes the step: sends what is left, waits for the updated parameters
   // (written into the attached buffer; with overlap_parameter_landing only
   // those the next forward reads first) and the global loss. `loss_share` is
