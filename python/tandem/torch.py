@@ -759,15 +759,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._land_all()  # the runtime lets go of the last step's gradient once everything landed
         view = self._grad_views[i]
         g = p.grad
+        # The runtime sums the ranks' gradients: each is scaled by the rank's
+        # share of the global batch, in the same pass that puts it in the
+        # flat buffer when it is elsewhere.
+        scale = self._scale if self._session.worker is not None else 1.0
         if g is None or g.data_ptr() != view.data_ptr():
-            # The gradient went elsewhere (zero_grad(set_to_none=True) since):
-            # back into the flat buffer.
+            # The gradient went elsewhere (zero_grad while the parameters
+            # were landing, or set_to_none since): into the flat buffer.
             with torch.no_grad():
                 if g is None:
                     view.zero_()
+                elif scale != 1.0:
+                    torch.mul(g, scale, out=view)
                 else:
                     view.copy_(g)
             p.grad = view
+        elif scale != 1.0:
+            with torch.no_grad():
+                view.mul_(scale)
         self._ready[i] = True
         if not self._backward_queued:
             self._backward_queued = True
@@ -781,10 +790,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if w == self._watermark:
             return
         lo = self._offsets[w]
-        hi = self._offsets[self._watermark] if self._watermark < len(self._offsets) else self._count
-        if self._scale != 1.0 and self._session.worker is not None:
-            with torch.no_grad():
-                self._flat_grads[lo:hi].mul_(self._scale)
         self._watermark = w
         if self._session.worker is not None:
             self._session.worker.gradients_ready(lo)

@@ -151,8 +151,13 @@ struct Runtime::Bucket {
   std::vector<size_t> slot;
   std::vector<uint32_t> owner;  // the local rank of each partition: its id % L
   size_t block = 0;
-  std::vector<float> mine;    // this rank's block: the node's sum of its partitions
-  std::vector<float> pulled;  // this rank's block: its partitions' new parameters
+  size_t share = 0;  // elements of this rank's partitions in the bucket (its block's first `share`)
+  // This rank's block (`block` elements, the node collectives' size; the
+  // first `share` are its partitions): the node's sum of its partitions'
+  // gradients, which the reduce-scatter writes, and their new parameters,
+  // from which the all-gather reads.
+  std::vector<float> mine;
+  std::vector<float> pulled;
   std::vector<uint16_t> wire_out;
   std::vector<uint16_t> wire_in;
   std::vector<std::shared_ptr<PsOp>> pushes;
@@ -540,8 +545,7 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
   const size_t lo = base_, hi = base_ + n;  // this stage's elements
   places_.assign(static_cast<size_t>(map.partitions_size()), PartitionPlace{});
-  size_t largest = 0;        // of L * block over the buckets
-  size_t largest_block = 0;  // of block
+  size_t largest = 0;  // of L * block over the buckets
   const auto range = [&](int p) {
     return std::pair<size_t, size_t>(map.partitions(p).range().begin(), map.partitions(p).range().end());
   };
@@ -584,10 +588,10 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     const bool packed = local > 1 || sharded_;
     if (packed) {
       largest = std::max(largest, b->block * static_cast<size_t>(local));
-      largest_block = std::max(largest_block, b->block);
       // Only this worker's share: the collectives go through shared scratch.
-      b->mine.assign(fill[static_cast<size_t>(me)], 0.0f);
-      b->pulled.assign(fill[static_cast<size_t>(me)], 0.0f);
+      b->share = fill[static_cast<size_t>(me)];
+      b->mine.assign(b->block, 0.0f);
+      b->pulled.assign(b->block, 0.0f);
     }
     size_t wire = 0;
     for (size_t k = 0; k < b->partitions.size(); ++k) {
@@ -626,7 +630,6 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     last = first - 1;
   }
   staging_.assign(largest, 0.0f);
-  block_scratch_.assign(largest_block, 0.0f);
   return Status::Ok();
 }
 
@@ -1018,9 +1021,8 @@ Status Runtime::RunBucket(Bucket& b) {
       std::memcpy(slot + b.cut_offset[k], grads_.data() + b.cuts[k].first, part * sizeof(float));
     }
     if (sharded_) grad_pages_->Release(b.begin, b.end);  // packed: this worker's copy is no longer needed
-    TANDEM_RETURN_IF_ERROR(node_->ReduceScatter(staging_.data(), block_scratch_.data(), b.block, comm::DType::kFloat32,
-                                                comm::ReduceOp::kSum));
-    std::copy_n(block_scratch_.begin(), b.mine.size(), b.mine.begin());
+    TANDEM_RETURN_IF_ERROR(
+        node_->ReduceScatter(staging_.data(), b.mine.data(), b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
   }
   for (auto& o : b.owned) {
     if (o.edge_grad.empty()) continue;
@@ -1121,8 +1123,7 @@ Status Runtime::LandBucket(Bucket& b, uint64_t step) {
   b.pulls.clear();
   const bool hybrid = options_.mode == TrainingMode::kHybrid;
   if (hybrid && node_->size() > 1 && !sharded_) {  // sharded: the pulled partitions stay the shard
-    std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
-    TANDEM_RETURN_IF_ERROR(node_->AllGather(block_scratch_.data(), staging_.data(), b.block, comm::DType::kFloat32));
+    TANDEM_RETURN_IF_ERROR(node_->AllGather(b.pulled.data(), staging_.data(), b.block, comm::DType::kFloat32));
     for (size_t k = 0; k < b.partitions.size(); ++k) {
       const size_t owner = b.owner[k];
       std::memcpy(params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
@@ -1465,7 +1466,7 @@ Status Runtime::AcquireSharded(std::pair<size_t, size_t> now, std::pair<size_t, 
 
 void Runtime::NoteParameterBytes() {
   uint64_t bytes = param_pages_ != nullptr ? param_pages_->ResidentBytes() : params_.size_bytes();
-  for (const auto& b : buckets_) bytes += b->pulled.size() * sizeof(float);
+  for (const auto& b : buckets_) bytes += b->share * sizeof(float);
   parameter_bytes_ = std::max(parameter_bytes_, bytes);
 }
 
