@@ -507,6 +507,23 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
         print(text + "\n");
       }
     }
+    // A process that ended on its own is a failure of the run (the first
+    // one found is named: the others may have ended because of it), also
+    // when the survivors finished training meanwhile. A script worker that
+    // exits 0 has only finished its script.
+    for (auto& m : members) {
+      if (m.exited || m.killed) continue;
+      if (!m.daemon.process->Running()) {
+        m.exited = true;
+        const Result<ExitInfo> exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
+        if (script && m.worker && exit.ok() && exit->success()) continue;
+        if (summary.failure.empty()) summary.failure = EndedMessage(m, exit);
+      }
+    }
+    if (!summary.failure.empty()) {
+      event("Failed: " + summary.failure);
+      break;
+    }
     if (reader.finished()) {
       // Rank 0 wrote the final parameters and the last checkpoint: nothing
       // is left that stopping the cluster would cut short (a process ending
@@ -514,20 +531,6 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       summary.completed = last >= steps;
       if (!summary.completed) summary.failure = fmt::format("training finished after {} of {} steps", last, steps);
       summary.checkpoint = reader.checkpoint();
-      break;
-    }
-    // A process that ended on its own is a failure of the run (the first
-    // one found is named: the others may have ended because of it).
-    for (auto& m : members) {
-      if (m.exited || m.killed) continue;
-      if (!m.daemon.process->Running()) {
-        m.exited = true;
-        const std::string ended = EndedMessage(m, m.daemon.process->Wait(std::chrono::milliseconds(0)));
-        if (summary.failure.empty()) summary.failure = ended;
-      }
-    }
-    if (!summary.failure.empty()) {
-      event("Failed: " + summary.failure);
       break;
     }
     if (o.kill_worker_at > 0 && !killed && last >= static_cast<uint64_t>(o.kill_worker_at)) {
