@@ -104,7 +104,11 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
           trainer_hooks.stopping = context.stopping;
           s = Train(state->train, *state->data_plane, trainer_hooks);
         }
-        if (s.ok()) {
+        if (s.ok() && loop) {
+          // A loop of one's own (the PyTorch front end's returns when its
+          // process shuts the worker down).
+          spdlog::info("training finished: the training loop returned");
+        } else if (s.ok()) {
           spdlog::info("training finished; the worker stays in the job until it is stopped");
         } else if (!state->stop) {
           spdlog::error("training failed: {}", s.ToString());
