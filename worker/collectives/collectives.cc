@@ -171,18 +171,6 @@ int Mod(int a, int n) {
   return ((a % n) + n) % n;
 }
 
-// Block b of `count` elements split over `n` blocks: [offset, offset + size).
-// The first count % n blocks are one element larger.
-size_t BlockOffset(size_t count, int n, int b) {
-  const size_t base = count / static_cast<size_t>(n);
-  const size_t extra = count % static_cast<size_t>(n);
-  const auto ub = static_cast<size_t>(b);
-  return ub * base + std::min(ub, extra);
-}
-size_t BlockSize(size_t count, int n, int b) {
-  return BlockOffset(count, n, b + 1) - BlockOffset(count, n, b);
-}
-
 // What one call works with: the transport, the options, scratch, and the
 // element size. Sizes passed to Send/Recv are in elements.
 struct Ctx {
@@ -278,7 +266,7 @@ Status RingStep(Ctx& c, const char* send, size_t send_count, char* recv, size_t 
 // reduction of block (r + shift) mod n.
 Status RingReduceScatter(Ctx& c, const char* in, size_t count, ReduceOp op, int shift, const char** result) {
   const int n = c.n;
-  const size_t max_block = BlockSize(count, n, 0);
+  const size_t max_block = BlockCount(count, n, 0);
   char* buffers[2] = {c.ws.Buffer(0, c.Bytes(max_block)), c.ws.Buffer(1, c.Bytes(max_block))};
   for (int s = 0; s < n - 1; ++s) {
     // At step s rank r sends the block it finished reducing at step s-1 (at
@@ -287,8 +275,8 @@ Status RingReduceScatter(Ctx& c, const char* in, size_t count, ReduceOp op, int 
     const int send_block = Mod(c.r - s + shift - 1, n);
     const int recv_block = Mod(c.r - s + shift - 2, n);
     const char* send = s == 0 ? in + c.Bytes(BlockOffset(count, n, send_block)) : buffers[(s - 1) % 2];
-    TANDEM_RETURN_IF_ERROR(RingStep(c, send, BlockSize(count, n, send_block), buffers[s % 2],
-                                    BlockSize(count, n, recv_block), in + c.Bytes(BlockOffset(count, n, recv_block)),
+    TANDEM_RETURN_IF_ERROR(RingStep(c, send, BlockCount(count, n, send_block), buffers[s % 2],
+                                    BlockCount(count, n, recv_block), in + c.Bytes(BlockOffset(count, n, recv_block)),
                                     op, kPhaseRingReduceScatter, "ring reduce-scatter step", s));
   }
   *result = buffers[(n - 2) % 2];
@@ -303,8 +291,8 @@ Status RingAllGather(Ctx& c, char* data, size_t count, int shift) {
     const int send_block = Mod(c.r - s + shift, n);
     const int recv_block = Mod(c.r - s + shift - 1, n);
     TANDEM_RETURN_IF_ERROR(RingStep(c, data + c.Bytes(BlockOffset(count, n, send_block)),
-                                    BlockSize(count, n, send_block), data + c.Bytes(BlockOffset(count, n, recv_block)),
-                                    BlockSize(count, n, recv_block), nullptr, ReduceOp::kSum, kPhaseRingAllGather,
+                                    BlockCount(count, n, send_block), data + c.Bytes(BlockOffset(count, n, recv_block)),
+                                    BlockCount(count, n, recv_block), nullptr, ReduceOp::kSum, kPhaseRingAllGather,
                                     "ring all-gather step", s));
   }
   return Status::Ok();
@@ -424,8 +412,8 @@ Status AllReduce(Transport& t, const void* in, void* out, size_t count, DType dt
       TANDEM_RETURN_IF_ERROR(RingReduceScatter(c, input, count, op, /*shift=*/1, &reduced));
       const int owned = Mod(c.r + 1, c.n);
       char* block = bytes + c.Bytes(BlockOffset(count, c.n, owned));
-      std::memcpy(block, reduced, c.Bytes(BlockSize(count, c.n, owned)));
-      if (op == ReduceOp::kAvg) Divide(block, BlockSize(count, c.n, owned), dtype, c.n);
+      std::memcpy(block, reduced, c.Bytes(BlockCount(count, c.n, owned)));
+      if (op == ReduceOp::kAvg) Divide(block, BlockCount(count, c.n, owned), dtype, c.n);
       return RingAllGather(c, bytes, count, /*shift=*/1);
     }
     default:
@@ -603,7 +591,7 @@ Status Reduce(Transport& t, const void* in, void* out, size_t count, DType dtype
       // blocks are then gathered straight into the root's output.
       const char* reduced = nullptr;
       TANDEM_RETURN_IF_ERROR(RingReduceScatter(c, input, count, op, /*shift=*/0, &reduced));
-      const size_t mine = BlockSize(count, n, c.r);
+      const size_t mine = BlockCount(count, n, c.r);
       if (c.r != root) {
         if (mine == 0) return Status::Ok();
         auto send = c.Send(root, kPhaseGather, reduced, mine);
@@ -613,13 +601,13 @@ Status Reduce(Transport& t, const void* in, void* out, size_t count, DType dtype
       auto& recvs = c.ws.Requests(0);
       recvs.clear();
       for (int q = 0; q < n; ++q) {
-        if (q == c.r || BlockSize(count, n, q) == 0) continue;
-        recvs.push_back(c.Recv(q, kPhaseGather, result + c.Bytes(BlockOffset(count, n, q)), BlockSize(count, n, q)));
+        if (q == c.r || BlockCount(count, n, q) == 0) continue;
+        recvs.push_back(c.Recv(q, kPhaseGather, result + c.Bytes(BlockOffset(count, n, q)), BlockCount(count, n, q)));
       }
       size_t i = 0;
       Status status;
       for (int q = 0; q < n && status.ok(); ++q) {
-        if (q == c.r || BlockSize(count, n, q) == 0) continue;
+        if (q == c.r || BlockCount(count, n, q) == 0) continue;
         status = c.Wait(*recvs[i++], q, false, "gather to the root");
       }
       recvs.clear();

@@ -51,6 +51,7 @@
 // serves one collective at a time.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstddef>
@@ -64,6 +65,21 @@
 #include "worker/collectives/dtype.h"
 
 namespace tandem::collectives {
+
+// How a collective splits `count` elements into `n` blocks, one per rank:
+// block b is [BlockOffset(count, n, b), BlockOffset(count, n, b + 1)), and
+// the first count % n blocks are one element larger. The collectives and
+// the communicators (the shared-memory one's reduce-scatter and all-gather)
+// use this one definition.
+inline size_t BlockOffset(size_t count, int n, int b) {
+  const size_t base = count / static_cast<size_t>(n);
+  const size_t extra = count % static_cast<size_t>(n);
+  const auto ub = static_cast<size_t>(b);
+  return ub * base + std::min(ub, extra);
+}
+inline size_t BlockCount(size_t count, int n, int b) {
+  return BlockOffset(count, n, b + 1) - BlockOffset(count, n, b);
+}
 
 // Buffers a caller keeps across collectives, so that steady-state calls do
 // not allocate scratch memory: buffers grow to the largest size needed and

@@ -47,17 +47,6 @@ std::string DescribeCollective(Kind kind, uint64_t seq, uint64_t count, DType dt
   }
 }
 
-size_t BlockOffset(size_t count, int size, int block) {
-  const size_t base = count / static_cast<size_t>(size);
-  const size_t extra = count % static_cast<size_t>(size);
-  const auto b = static_cast<size_t>(block);
-  return b * base + std::min(b, extra);
-}
-
-size_t BlockCount(size_t count, int size, int block) {
-  return BlockOffset(count, size, block + 1) - BlockOffset(count, size, block);
-}
-
 Communicator::Communicator(CommInfo info) : info_(std::move(info)) {}
 
 Status Communicator::health() const {

@@ -20,7 +20,8 @@
 // - in == out is allowed where a call takes both (in place).
 //
 // Thread safety: one collective at a time (calls from several threads must
-// be serialised by the caller; AsyncCommunicator does this). Abort() and
+// be serialised by the caller; the worker runtime's communication thread
+// does this). Abort() and
 // progress() may be called from any thread at any time.
 #pragma once
 
@@ -177,10 +178,5 @@ class Communicator {
   mutable std::mutex mu_;
   Status broken_ TANDEM_GUARDED_BY(mu_);
 };
-
-// Elements per rank for a collective over `count` elements split in `size`
-// blocks as evenly as possible (the first count % size blocks get one more).
-size_t BlockOffset(size_t count, int size, int block);
-size_t BlockCount(size_t count, int size, int block);
 
 }  // namespace tandem::comm

@@ -20,6 +20,7 @@
 #include <fmt/format.h>
 
 #include "common/proc_stat.h"
+#include "worker/collectives/collectives.h"
 #include "worker/collectives/kernels.h"
 
 namespace tandem::comm {
@@ -675,8 +676,8 @@ Status ShmCommunicator::Reduction(const Op& op, const char* src, char* dst, int 
     char* mine = InSlot(r, step);
     for (int j = 0; j < n; ++j) {
       if (j == r) continue;
-      const size_t off = BlockOffset(e, n, j);
-      const size_t cnt = BlockCount(e, n, j);
+      const size_t off = collectives::BlockOffset(e, n, j);
+      const size_t cnt = collectives::BlockCount(e, n, j);
       if (cnt > 0) std::memcpy(mine + off * element, src + (base + off) * element, cnt * element);
     }
   };
@@ -689,8 +690,8 @@ Status ShmCommunicator::Reduction(const Op& op, const char* src, char* dst, int 
     const size_t e = std::min(round_count, count - base);
     TANDEM_RETURN_IF_ERROR(WaitAll(op, Counter::kPost, t));
     if (k == 0) TANDEM_RETURN_IF_ERROR(CheckDescriptors(op));
-    const size_t my_off = BlockOffset(e, n, r);
-    const size_t my_cnt = BlockCount(e, n, r);
+    const size_t my_off = collectives::BlockOffset(e, n, r);
+    const size_t my_cnt = collectives::BlockCount(e, n, r);
     for (int j = 0; j < n; ++j) {
       srcs[static_cast<size_t>(j)] = j == r ? src + (base + my_off) * element : InSlot(j, t) + my_off * element;
     }
@@ -712,8 +713,8 @@ Status ShmCommunicator::Reduction(const Op& op, const char* src, char* dst, int 
       TANDEM_RETURN_IF_ERROR(WaitAll(op, Counter::kReduced, t));
       for (int j = 0; j < n; ++j) {
         if (j == r) continue;
-        const size_t off = BlockOffset(e, n, j);
-        const size_t cnt = BlockCount(e, n, j);
+        const size_t off = collectives::BlockOffset(e, n, j);
+        const size_t cnt = collectives::BlockCount(e, n, j);
         collectives::Copy(dst + (base + off) * element, ResultSlot(j, t) + off * element, cnt * element, stream);
       }
     }
