@@ -518,6 +518,21 @@ std::string OptionSet::Help() const {
   return text;
 }
 
+std::vector<std::string> OptionSet::Flags(std::string_view key_prefix) const {
+  std::vector<std::string> out;
+  for (const auto& o : options_) {
+    if (!o.key.starts_with(key_prefix)) continue;
+    const std::string value = o.get();
+    if (o.is_bool) {
+      out.push_back(fmt::format("--{}={}", o.flag, value));
+    } else if (!value.empty()) {
+      out.push_back("--" + o.flag);
+      out.push_back(value);
+    }
+  }
+  return out;
+}
+
 std::string OptionSet::EffectiveYaml() const {
   YAML::Node root(YAML::NodeType::Map);
   for (const auto& o : options_) {

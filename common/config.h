@@ -82,6 +82,12 @@ class OptionSet {
   Result<Outcome> Parse(int argc, const char* const* argv, std::string* out);
 
   std::string Help() const;
+  // The flags that give the options whose keys start with `key_prefix` their
+  // current values, in declaration order: "--flag", "value" pairs, a Bool as
+  // one "--flag=true" or "--flag=false"; an option whose value is empty is
+  // left out (its default is empty). A launcher hands a config struct to a
+  // child process with these, from the same declaration the child parses.
+  std::vector<std::string> Flags(std::string_view key_prefix) const;
   // The effective configuration as a YAML document (what --check-config prints).
   std::string EffectiveYaml() const;
   const std::string& program() const { return program_; }

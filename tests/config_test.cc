@@ -1,5 +1,7 @@
 #include "common/config.h"
 
+#include <algorithm>
+
 #include <gtest/gtest.h>
 
 #include "common/grpc_util.h"
@@ -220,6 +222,33 @@ TEST(ConfigTest, CheckConfigPrintsYamlThatLoadsBackToTheSameValues) {
   EXPECT_EQ(g.name, "with: colon");
   EXPECT_EQ(g.partition, f.partition);
   EXPECT_EQ(g.options.EffectiveYaml(), f.options.EffectiveYaml());
+}
+
+TEST(ConfigTest, FlagsGiveAnotherProcessTheSameValues) {
+  Fixture f;
+  ASSERT_TRUE(f.Parse({"--rendezvous-min-workers", "12", "--ratio", "0.1", "--verbose", "--heartbeat-interval", "1.5s",
+                       "--partition-size", "12KiB", "--name", ""})
+                  .ok());
+  const std::vector<std::string> flags = f.options.Flags("");
+  // The empty name is left out; the Bool is one argument.
+  EXPECT_EQ(std::count(flags.begin(), flags.end(), "--name"), 0);
+  EXPECT_EQ(std::count(flags.begin(), flags.end(), "--verbose=true"), 1);
+  Fixture g;
+  g.name = "not the default";
+  g.verbose = false;
+  ASSERT_TRUE(g.Parse(flags).ok());
+  EXPECT_EQ(g.workers, 12);
+  EXPECT_EQ(g.ratio, 0.1);  // the shortest text that reads back as the same double
+  EXPECT_TRUE(g.verbose);
+  EXPECT_EQ(g.interval, milliseconds(1500));
+  EXPECT_EQ(g.partition, 12u * 1024);
+  EXPECT_EQ(g.name, "not the default");  // an empty value is not handed over
+  EXPECT_EQ(g.address, f.address);
+  EXPECT_EQ(g.level, f.level);
+  // Only the keys under a prefix.
+  for (const auto& flag : f.options.Flags("heartbeat.")) {
+    EXPECT_TRUE(flag == "--heartbeat-interval" || flag == "1500ms") << flag;
+  }
 }
 
 TEST(ConfigTest, PositionalArguments) {

@@ -518,85 +518,11 @@ void DeclareTrainOptions(OptionSet& o, TrainConfig* c, bool job_keys) {
 }
 
 std::vector<std::string> TrainFlags(const TrainConfig& c) {
-  const auto ms = [](std::chrono::milliseconds d) { return fmt::format("{}ms", d.count()); };
-  const auto num = [](double v) { return fmt::format("{:.17g}", v); };
-  std::vector<std::string> f = {"--train-steps",
-                                std::to_string(c.steps),
-                                "--train-mode",
-                                c.mode,
-                                "--train-data",
-                                c.data,
-                                "--train-seed",
-                                std::to_string(c.seed),
-                                "--train-global-batch",
-                                std::to_string(c.global_batch),
-                                "--train-accumulation",
-                                std::to_string(c.accumulation),
-                                "--train-pipeline-schedule",
-                                c.pipeline_schedule,
-                                "--train-placement",
-                                c.placement,
-                                "--train-consistency",
-                                c.consistency,
-                                "--train-staleness-bound",
-                                std::to_string(c.staleness_bound),
-                                "--train-context",
-                                std::to_string(c.context),
-                                "--train-d-model",
-                                std::to_string(c.d_model),
-                                "--train-heads",
-                                std::to_string(c.heads),
-                                "--train-layers",
-                                std::to_string(c.layers),
-                                "--train-blas-threads",
-                                std::to_string(c.blas_threads),
-                                "--train-gpu",
-                                std::to_string(c.gpu),
-                                "--train-optimizer",
-                                c.optimizer,
-                                "--train-lr",
-                                num(c.lr),
-                                "--train-weight-decay",
-                                num(c.weight_decay),
-                                "--train-max-grad-norm",
-                                num(c.max_grad_norm),
-                                "--train-schedule",
-                                c.schedule,
-                                "--train-warmup-steps",
-                                std::to_string(c.warmup_steps),
-                                "--train-lr-base-batch",
-                                std::to_string(c.lr_base_batch),
-                                "--train-bucket-bytes",
-                                std::to_string(c.bucket_bytes),
-                                "--train-gradient-wire",
-                                c.gradient_wire,
-                                "--train-parameter-wire",
-                                c.parameter_wire,
-                                "--train-step-timeout",
-                                ms(c.step_timeout),
-                                "--train-epoch-wait",
-                                ms(c.epoch_wait),
-                                "--train-progress-file",
-                                c.progress_file,
-                                "--train-params-out",
-                                c.params_out,
-                                "--train-sample-log",
-                                c.sample_log,
-                                "--train-checkpoint-dir",
-                                c.checkpoint_dir,
-                                "--train-checkpoint-every",
-                                c.checkpoint_every == 0 ? "" : std::to_string(c.checkpoint_every),
-                                "--train-resume-from",
-                                c.resume_from};
-  // Flags need a value: leave out the empty ones (their default is empty).
-  std::vector<std::string> out;
-  for (size_t i = 0; i + 1 < f.size(); i += 2) {
-    if (f[i + 1].empty()) continue;
-    out.push_back(f[i]);
-    out.push_back(f[i + 1]);
-  }
-  if (c.activation_checkpointing) out.push_back("--train-activation-checkpointing");  // a switch: no value
-  return out;
+  // From the declaration itself: every train.* option, the job keys too.
+  TrainConfig values = c;
+  OptionSet options("tandem-worker", "");
+  DeclareTrainOptions(options, &values, /*job_keys=*/true);
+  return options.Flags("train.");
 }
 
 Result<model::ModelConfig> ModelConfigOf(const TrainConfig& c) {
