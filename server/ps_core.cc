@@ -755,10 +755,21 @@ uint64_t ParameterStore::ReplicationLag() const {
   return lag;
 }
 
+void ParameterStore::StopCaptures() {
+  {
+    std::lock_guard lock(mu_);
+    captures_stopped_ = true;
+    for (auto& capture : captures_) capture->failed = Unavailable("the server is shutting down");
+    captures_.clear();
+  }
+  changed_.notify_all();
+}
+
 Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::milliseconds timeout) {
   auto request = std::make_shared<CaptureRequest>();
   std::vector<std::shared_ptr<Part>> parts;
   std::unique_lock lock(mu_);
+  if (captures_stopped_) return Unavailable("the server is shutting down");
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
   for (auto& [id, part] : parts_) {
     std::lock_guard plock(part->mu);

@@ -188,6 +188,10 @@ class ParameterStore {
   // waiting up to `timeout`. FAILED_PRECONDITION if a primary is already past
   // `step` or the primaries disagree; DEADLINE_EXCEEDED if not reached.
   Result<Capture> CaptureAt(uint64_t step, std::chrono::milliseconds timeout);
+  // The server is stopping: every CaptureAt waiting, and every later one,
+  // fails with UNAVAILABLE at once (a save in flight does not hold the
+  // shutdown up for its whole timeout).
+  void StopCaptures();
   // Replaces partitions' state (restore). `states` must match partitions
   // this server holds; their ranges are checked. Waiting pulls of them fail.
   Status Replace(std::vector<PartitionState> states, bool skip_optimizer_state);
@@ -498,6 +502,7 @@ class ParameterStore {
   std::map<std::pair<uint64_t, uint64_t>, Round> rounds_ TANDEM_GUARDED_BY(mu_);  // (epoch, step)
   SentShare last_shared_ TANDEM_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<CaptureRequest>> captures_ TANDEM_GUARDED_BY(mu_);
+  bool captures_stopped_ TANDEM_GUARDED_BY(mu_) = false;
 };
 
 class PushLanding;

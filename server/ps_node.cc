@@ -453,11 +453,19 @@ std::shared_ptr<PsNode::Group> PsNode::Current() const {
 
 void PsNode::Stop() {
   if (stopping_.exchange(true)) return;
+  store_->StopCaptures();  // a synchronous SaveCheckpoint waiting for its step returns now
   {
     std::lock_guard lock(building_mu_);
     if (building_ != nullptr) building_->Cancel("the server is stopping");
   }
-  metrics_cv_.notify_all();
+  {
+    // Under the lock the refresher waits with, so that the wake-up is not
+    // missed; joined here, before the daemon's registry that its gauges
+    // live in can go.
+    std::lock_guard lock(metrics_mu_);
+    metrics_cv_.notify_all();
+  }
+  if (metrics_thread_.joinable() && metrics_thread_.get_id() != std::this_thread::get_id()) metrics_thread_.join();
   std::shared_ptr<Group> group;
   {
     std::lock_guard lock(mu_);

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <limits>
 #include <map>
 #include <optional>
@@ -1779,6 +1780,24 @@ std::vector<StoreRuleCase> StoreRuleCases() {
 
 INSTANTIATE_TEST_SUITE_P(Rules, StoreMatchesReference, ::testing::ValuesIn(StoreRuleCases()),
                          [](const auto& rule) { return rule.param.name; });
+
+TEST_F(PsCoreTest, StoppingFailsAWaitingCaptureAtOnceAndEveryLaterOne) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  const uint64_t id = cluster_.Live().front();
+  // Step 3 is never reached: the capture would wait for its whole timeout.
+  std::promise<Status> waited;
+  std::thread saver([&] { waited.set_value(cluster_[id].CaptureAt(3, std::chrono::minutes(10)).status()); });
+  auto result = waited.get_future();
+  EXPECT_EQ(result.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout);
+  cluster_[id].StopCaptures();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const Status s = result.get();
+  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
+  saver.join();
+  EXPECT_EQ(cluster_[id].CaptureAt(1, std::chrono::seconds(1)).status().code(), StatusCode::kUnavailable);
+}
 
 class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};
 
