@@ -377,6 +377,10 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     members.push_back(std::move(m));
     return Status::Ok();
   };
+  // The first process that ended with a failure while the cluster stopped
+  // (a script that raised as the others finished: it may still have been
+  // exiting when the run ended), named as a run failure is.
+  std::string ended_badly;
   const auto stop_all = [&]() {
     // Workers and servers at once, the coordinator last.
     for (size_t i = members.size(); i-- > 1;) {
@@ -393,8 +397,9 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
         unclean += fmt::format("\n  {} did not stop within 10 s ({}); the end of {}:\n{}", m.daemon.name,
                                killed.ToString(), m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
       } else if (!exit->success()) {
-        unclean += fmt::format("\n  {} ended with {}; the end of {}:\n{}", m.daemon.name, exit->ToString(),
-                               m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
+        const std::string ended = EndedMessage(m, exit);
+        if (ended_badly.empty()) ended_badly = ended;
+        unclean += "\n  " + ended;
       }
       m.exited = true;
     }
@@ -641,7 +646,7 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   print(fmt::format("Stopping {} processes ...\n", members.size()));
   const std::string unclean = stop_all();
   if (!unclean.empty()) {
-    if (summary.failure.empty()) summary.failure = "a process did not stop cleanly";
+    if (summary.failure.empty()) summary.failure = ended_badly.empty() ? "a process did not stop cleanly" : ended_badly;
     summary.completed = false;
     print("Some processes did not stop cleanly:" + unclean + "\n");
   }
