@@ -521,7 +521,15 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
       if (!m.daemon.process->Running()) {
         m.exited = true;
         const Result<ExitInfo> exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
-        if (script && m.worker && exit.ok() && exit->success()) continue;
+        if (script && m.worker && exit.ok() && exit->success()) {
+          // A script that returned after the last step (rank 0 recorded it
+          // before any worker could leave the final barrier); one that
+          // returned before is a failure: the others could wait for it
+          // forever.
+          reader.Poll(&records);
+          const uint64_t now = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
+          if (now >= steps || reader.finished()) continue;
+        }
         if (summary.failure.empty()) summary.failure = EndedMessage(m, exit);
       }
     }

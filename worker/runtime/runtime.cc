@@ -152,10 +152,9 @@ struct Runtime::Bucket {
   std::vector<uint32_t> owner;  // the local rank of each partition: its id % L
   size_t block = 0;
   size_t share = 0;  // elements of this rank's partitions in the bucket (its block's first `share`)
-  // This rank's block (`block` elements, the node collectives' size; the
-  // first `share` are its partitions): the node's sum of its partitions'
-  // gradients, which the reduce-scatter writes, and their new parameters,
-  // from which the all-gather reads.
+  // This rank's share of the block (`share` elements; the node collectives
+  // move whole blocks, through scratch when share < block): the node's sum
+  // of its partitions' gradients, and their new parameters.
   std::vector<float> mine;
   std::vector<float> pulled;
   std::vector<uint16_t> wire_out;
@@ -545,7 +544,8 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
   const bool bf16_in = options_.parameter_wire == v1::WIRE_DTYPE_BF16;
   const size_t lo = base_, hi = base_ + n;  // this stage's elements
   places_.assign(static_cast<size_t>(map.partitions_size()), PartitionPlace{});
-  size_t largest = 0;  // of L * block over the buckets
+  size_t largest = 0;        // of L * block over the buckets
+  size_t largest_block = 0;  // of block
   const auto range = [&](int p) {
     return std::pair<size_t, size_t>(map.partitions(p).range().begin(), map.partitions(p).range().end());
   };
@@ -590,8 +590,9 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
       largest = std::max(largest, b->block * static_cast<size_t>(local));
       // Only this worker's share: the collectives go through shared scratch.
       b->share = fill[static_cast<size_t>(me)];
-      b->mine.assign(b->block, 0.0f);
-      b->pulled.assign(b->block, 0.0f);
+      b->mine.assign(b->share, 0.0f);
+      b->pulled.assign(b->share, 0.0f);
+      largest_block = std::max(largest_block, b->block);
     }
     size_t wire = 0;
     for (size_t k = 0; k < b->partitions.size(); ++k) {
@@ -630,6 +631,7 @@ Status Runtime::PlanBuckets(const DataPlane::EpochView& view) {
     last = first - 1;
   }
   staging_.assign(largest, 0.0f);
+  block_scratch_.assign(largest_block, 0.0f);
   return Status::Ok();
 }
 
@@ -1021,8 +1023,12 @@ Status Runtime::RunBucket(Bucket& b) {
       std::memcpy(slot + b.cut_offset[k], grads_.data() + b.cuts[k].first, part * sizeof(float));
     }
     if (sharded_) grad_pages_->Release(b.begin, b.end);  // packed: this worker's copy is no longer needed
+    // Straight into this rank's share when it fills the block (no copy);
+    // through one block of scratch when its share is smaller.
+    float* out = b.share == b.block ? b.mine.data() : block_scratch_.data();
     TANDEM_RETURN_IF_ERROR(
-        node_->ReduceScatter(staging_.data(), b.mine.data(), b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
+        node_->ReduceScatter(staging_.data(), out, b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
+    if (out != b.mine.data()) std::copy_n(out, b.share, b.mine.begin());
   }
   for (auto& o : b.owned) {
     if (o.edge_grad.empty()) continue;
@@ -1123,7 +1129,12 @@ Status Runtime::LandBucket(Bucket& b, uint64_t step) {
   b.pulls.clear();
   const bool hybrid = options_.mode == TrainingMode::kHybrid;
   if (hybrid && node_->size() > 1 && !sharded_) {  // sharded: the pulled partitions stay the shard
-    TANDEM_RETURN_IF_ERROR(node_->AllGather(b.pulled.data(), staging_.data(), b.block, comm::DType::kFloat32));
+    const float* in = b.pulled.data();
+    if (b.share != b.block) {
+      std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
+      in = block_scratch_.data();
+    }
+    TANDEM_RETURN_IF_ERROR(node_->AllGather(in, staging_.data(), b.block, comm::DType::kFloat32));
     for (size_t k = 0; k < b.partitions.size(); ++k) {
       const size_t owner = b.owner[k];
       std::memcpy(params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],
@@ -1377,14 +1388,15 @@ Status Runtime::WaitForParameters() {
 
 Status Runtime::FinishRun() {
   if (options_.mode == TrainingMode::kAllReduce || synced_epoch_ == 0) return Status::Ok();
+  if (Status landed = WaitForParameters(); !landed.ok()) {  // nothing of the last step lands after this
+    EndFailedStep(landed);
+    return landed;
+  }
   if (!asynchronous()) {
     if (!options_.overlap_parameter_landing) return Status::Ok();
-    Status s = WaitForParameters();
-    if (s.ok()) {
-      float mine = 0, all = 0;
-      s = world_->AllReduce(&mine, &all, 1, comm::DType::kFloat32, comm::ReduceOp::kSum)
-              .WithContext("waiting for every worker's final parameters");
-    }
+    float mine = 0, all = 0;
+    Status s = world_->AllReduce(&mine, &all, 1, comm::DType::kFloat32, comm::ReduceOp::kSum)
+                   .WithContext("waiting for every worker's final parameters");
     if (!s.ok()) EndFailedStep(s);
     return s;
   }

@@ -527,6 +527,7 @@ class Runtime {
   // The reduce-scatter input and all-gather output of every bucket (one at a
   // time on the communication thread), L blocks of the largest bucket.
   std::vector<float> staging_;
+  std::vector<float> block_scratch_;  // one block, for a rank whose share of a bucket is less than the block
   // Sharded placement.
   bool sharded_ = false;
   PageBuffer* param_pages_ = nullptr;
