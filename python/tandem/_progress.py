@@ -60,11 +60,17 @@ class Progress:
             if late > 0:
                 early = plan.reported_at_step
                 mine = [0.0, 0.0, 0.0, 0.0]
-                if early is None and plan.reported is not None:
+                if early is None:  # reported after opt.step(), or not at all (its samples, no loss)
                     mine = [(rep[0] or 0.0) * plan.share, plan.share if rep[0] is not None else 0.0, float(rep[1]),
                             float(rep[2])]
                 try:
                     self.opt._land_all()  # nothing else in flight beside the sum
+                except TandemError as e:
+                    if e.fatal:
+                        raise
+                    # Every rank takes part in the sum all the same (it fails
+                    # at once if the epoch is over); the next step resyncs.
+                try:
                     more = self.s.worker.allreduce_between_steps(mine)
                     total_loss, shares, samples, tokens = (a + b for a, b in
                                                            zip((total_loss, shares, samples, tokens), more))

@@ -67,6 +67,16 @@ __all__ = [
 ]
 
 _MODES = ("hybrid", "allreduce", "ps")
+# torch modules whose forward reads their children's parameters without
+# calling the children (landing waits for the whole module's).
+_READS_CHILDREN = (
+    torch.nn.MultiheadAttention,
+    torch.nn.TransformerEncoderLayer,
+    torch.nn.TransformerDecoderLayer,
+    torch.nn.TransformerEncoder,
+    torch.nn.TransformerDecoder,
+    torch.nn.Transformer,
+)
 # The learning rate a push carries for a step whose rate is exactly 0: the
 # wire reserves 0 for "the servers' own schedule". In fp32 it rounds to 0.
 _ZERO_LR = 5e-324
@@ -488,6 +498,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._plan = None
         self._overlap = False
         self._landed = 0
+        self._grads_held = False
 
         # The parameters, in the order the model names them; the flat buffer
         # holds them in that order, so backward (which ends with the first
@@ -638,6 +649,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _begin(self, plan):
         self._begun = True
+        self._grads_held = False  # BeginStep resynchronised (and pushed a kept gradient again) if it had to
         self._begin_schedulers(plan)
         self._forward_step_lr()
 
@@ -689,11 +701,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _before_forward(self, module, inputs):
         # Every module's forward (a global hook): one that holds parameters of
-        # this optimizer waits until they have landed.
-        if self._landed >= self._count:
-            return
+        # this optimizer waits until they have landed. Modules of torch's that
+        # read their children's parameters in their own forward
+        # (MultiheadAttention's out_proj, the Transformer layers' fast path)
+        # wait for those too.
+        params = module.parameters() if isinstance(module, _READS_CHILDREN) else module._parameters.values()
         end = 0
-        for p in module._parameters.values():
+        for p in params:
             e = self._end_of.get(id(p)) if p is not None else None
             if e is not None and e > end:
                 end = e
@@ -717,6 +731,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         except TandemError as e:
             _raise_stopped(self._session, e)
             self._landed = self._count  # nothing more will land: the parameters are resynchronised
+            # Until the resync (the next steps() iteration) the runtime may
+            # push the last step's gradient again: nothing writes the buffer.
+            self._grads_held = True
             if e.fatal or plan is None or plan.completed or plan.failed:
                 raise
             # The last step's parameters did not all arrive (a membership
@@ -738,6 +755,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _on_ready(self, i):
+        if self._plan.failed:
+            return  # the step is yielded again; the buffer may still hold a gradient to push again
         name, p = self._params[i]
         if p.data_ptr() != self._param_ptrs[i] or tuple(p.shape) != self._shapes[i]:
             raise RuntimeError(
@@ -828,7 +847,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Zeroes the gradients in place (the flat buffer the runtime sends
         from); ``set_to_none`` is ignored, since the gradients are views into
         that buffer."""
-        if self._overlap and self._landed < self._count:
+        if self._overlap and (self._landed < self._count or self._grads_held):
             # The last step's parameters are still landing, and until they
             # all have, the runtime keeps its gradient (to push it again if a
             # server fails). Backward starts from no gradient instead, and the
@@ -866,6 +885,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("opt.step() outside a step: call it inside `for plan in tandem.torch.steps(...)`")
         if plan.failed and plan.landing_failed and not plan.completed:
             plan.completed = True  # the step failed in its forward (_land): steps() yields it again
+            self._restore_schedulers()
             return loss
         if plan.completed or plan.failed:
             raise RuntimeError(f"opt.step() twice in step {plan.step}")
@@ -1150,5 +1170,6 @@ def DistributedOptimizer(
     wrapped._tandem_setup(named, mode, find_unused_parameters, max_grad_norm, bucket_bytes, gradient_wire,
                           parameter_wire, non_finite, lr_schedule, resume_from, overlap_landing)
     if state:
-        torch.optim.Optimizer.load_state_dict(wrapped, state)
+        # As load_state_dict: in the server modes the state becomes the servers'.
+        wrapped.load_state_dict(state)
     return wrapped
