@@ -559,30 +559,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             sys.stderr.flush()
             os._exit(0)
 
-        # One flat buffer each for parameters and gradients; the model's
-        # tensors become views into them.
-        self._flat_params = torch.zeros(count, dtype=torch.float32)
-        self._flat_grads = torch.zeros(count, dtype=torch.float32)
-        self._offsets = []
-        self._shapes = []
-        tensors = []
         group_names = {gi: ("" if gi == 0 else f"group{gi}") for gi in range(len(self.param_groups))}
-        offset = 0
-        with torch.no_grad():
-            for name, p in params:
-                n = p.numel()
-                self._flat_params[offset : offset + n].copy_(p.detach().reshape(-1))
-                p.data = self._flat_params[offset : offset + n].view(p.shape)
-                p.grad = self._flat_grads[offset : offset + n].view(p.shape)
-                self._offsets.append(offset)
-                self._shapes.append(tuple(p.shape))
-                tensors.append((name, list(p.shape), offset, group_names[group_of[id(p)]]))
-                offset += n
-        # Where each parameter ends in the flat buffer: the parameters of the
-        # last step land in buffer order, so a module's forward waits up to
-        # the end of its last one (_before_forward).
-        self._ends = [o + p.numel() for o, (_, p) in zip(self._offsets, params)]
-        self._end_of = {id(p): e for e, (_, p) in zip(self._ends, params)}
+        tensors = self._lay_out(params, count, group_of, group_names)
         self._landed = count
         self._tensor_table = tensors
         self._group_names = group_names
@@ -596,8 +574,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._watermark = len(params)
         self._backward_queued = False
         self._hooks = []
-        self._base_lr = float(self.param_groups[0]["lr"])
-        self._lr_ratios = [float(g["lr"]) / self._base_lr if self._base_lr > 0 else 1.0 for g in self.param_groups]
+        self._note_group_lrs()
 
         # Every backward reports each parameter's gradient (alone too, so a
         # script's mistakes show before it runs on a cluster).
@@ -645,7 +622,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         s.worker.create_runtime(runtime_options)
         s.worker.attach(self._flat_params.data_ptr(), self._flat_grads.data_ptr(), count, tensors)
 
+    def _lay_out(self, params, count, group_of, group_names):
+        """Moves the parameters into one flat buffer (their tensors become
+        views into it, as their gradients into another) and returns the
+        runtime's tensor table: (name, shape, offset, group) each."""
+        # One flat buffer each for parameters and gradients; the model's
+        # tensors become views into them.
+        self._flat_params = torch.zeros(count, dtype=torch.float32)
+        self._flat_grads = torch.zeros(count, dtype=torch.float32)
+        self._offsets = []
+        self._shapes = []
+        tensors = []
+        offset = 0
+        with torch.no_grad():
+            for name, p in params:
+                n = p.numel()
+                self._flat_params[offset : offset + n].copy_(p.detach().reshape(-1))
+                p.data = self._flat_params[offset : offset + n].view(p.shape)
+                p.grad = self._flat_grads[offset : offset + n].view(p.shape)
+                self._offsets.append(offset)
+                self._shapes.append(tuple(p.shape))
+                tensors.append((name, list(p.shape), offset, group_names[group_of[id(p)]]))
+                offset += n
+        # Where each parameter ends in the flat buffer: the parameters of the
+        # last step land in buffer order, so a module's forward waits up to
+        # the end of its last one (_before_forward).
+        self._ends = [o + p.numel() for o, (_, p) in zip(self._offsets, params)]
+        self._end_of = {id(p): e for e, (_, p) in zip(self._ends, params)}
+        return tensors
+
     # -- during a step ------------------------------------------------------
+
+    def _note_group_lrs(self):
+        # Group 0's lr travels with each step; the other groups keep their ratio to it.
+        self._base_lr = float(self.param_groups[0]["lr"])
+        self._lr_ratios = [float(g["lr"]) / self._base_lr if self._base_lr > 0 else 1.0 for g in self.param_groups]
 
     def _begin(self, plan):
         self._begun = True
@@ -1106,9 +1117,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 buffers, kind, 0, updates + 1,
             )
         s.worker.set_initial_state(directory, text)  # no directory: the hyperparameters only
-        # The learning rates the steps forward are relative to the loaded groups.
-        self._base_lr = float(self.param_groups[0]["lr"])
-        self._lr_ratios = [float(g["lr"]) / self._base_lr if self._base_lr > 0 else 1.0 for g in self.param_groups]
+        self._note_group_lrs()  # the learning rates the steps forward are relative to the loaded groups
 
 
 def DistributedOptimizer(
