@@ -1,12 +1,17 @@
-// UcxTransport (common/transport/ucx_transport.h): ranks as threads of this
-// process, each with its own UCX contexts and workers, addresses exchanged in
-// memory, on three paths (copy through shared memory, cma rendezvous, TCP on
-// lo): ordered matching, many tags, sizes, size mismatches, timeouts, dropped
-// requests, a peer that closes, and the CPU collectives over UCX. A peer that
-// is SIGKILLed runs as a child process (this binary, re-run with a filter).
-// As root, two child processes in two network namespaces (joined by a veth
-// pair) check that such peers use the network and are woken at once (the
-// test skips without root or `ip netns`).
+// UcxTransport (common/transport/ucx_transport.h): what is particular to UCX.
+// The rules of transport.h every transport keeps (matching, sizes, timeouts,
+// drops, a peer that closes, completions, the CPU collectives) are checked
+// on each UCX path by the shared suite, transport_test.cc; here: options,
+// addresses and the handshake, path summaries, the tag layout, and on each
+// path (copy through shared memory, cma rendezvous, TCP on lo) refused
+// operations, WaitPosted, a close during a completion and Progress run by
+// callers. Ranks are threads of this process, each with its own UCX contexts
+// and workers, addresses exchanged in memory. A network send dropped before
+// the peer takes it fails the peer. A peer that is SIGKILLed runs as a child
+// process (this binary, re-run with a filter). As root, two child processes
+// in two network namespaces (joined by a veth pair) check that such peers
+// use the network and are woken at once (the test skips without root or
+// `ip netns`).
 //
 // With TANDEM_UCX_BENCH=1, UcxBench.CopyVersusCma prints the bandwidth of
 // large messages through posix/sysv segments and through cma.
@@ -31,8 +36,8 @@
 #include <gtest/gtest.h>
 
 #include "common/process.h"
-#include "tests/async_transport_checks.h"
 #include "tests/test_util.h"
+#include "tests/transport_suite.h"
 #include "worker/collectives/collectives.h"
 
 namespace tandem::transport {
@@ -42,57 +47,25 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-constexpr milliseconds kWait{10000};
+constexpr milliseconds kWait = testing::kUcxWait;
 
 UcxOptions TestOptions(const std::string& tls = "", bool prefer_copy_shm = true) {
-  UcxOptions o;
-  o.net_devices = "lo";
-  o.tls = tls;
-  o.prefer_copy_shm = prefer_copy_shm;
-  o.close_timeout = milliseconds(1000);
-  o.abandon_timeout = milliseconds(3000);
-  return o;
+  return testing::UcxTestOptions(tls, prefer_copy_shm);
 }
 
-using Group = std::vector<std::unique_ptr<UcxTransport>>;
+using Group = testing::UcxGroup;
 
 // n connected transports (empty, with test failures, if that fails); rank r
 // uses options[r], or options[0] for all.
 Group Connected(int n, const std::vector<UcxOptions>& options) {
-  Group group;
-  std::vector<std::string> addresses;
-  for (int r = 0; r < n; ++r) {
-    auto t = UcxTransport::Create(options.size() == 1 ? options[0] : options.at(static_cast<size_t>(r)));
-    EXPECT_TRUE(t.ok()) << t.status().ToString();
-    if (!t.ok()) return {};
-    addresses.push_back((*t)->address());
-    group.push_back(std::move(t).value());
-  }
-  std::vector<Status> results(static_cast<size_t>(n));
-  std::vector<std::thread> threads;
-  threads.reserve(static_cast<size_t>(n));
-  for (int r = 0; r < n; ++r) {
-    threads.emplace_back(
-        [&, r] { results[static_cast<size_t>(r)] = group[static_cast<size_t>(r)]->Connect(r, n, addresses, kWait); });
-  }
-  for (auto& th : threads) th.join();
-  for (int r = 0; r < n; ++r) {
-    EXPECT_TRUE(results[static_cast<size_t>(r)].ok())
-        << "rank " << r << ": " << results[static_cast<size_t>(r)].ToString();
-    if (!results[static_cast<size_t>(r)].ok()) return {};
-  }
-  return group;
+  return testing::ConnectedUcx(n, options);
 }
 
 Group Connected(int n, const UcxOptions& options) {
-  return Connected(n, std::vector<UcxOptions>{options});
+  return testing::ConnectedUcx(n, options);
 }
 
-std::vector<char> Pattern(size_t bytes, int seed) {
-  std::vector<char> v(bytes);
-  for (size_t i = 0; i < bytes; ++i) v[i] = static_cast<char>((i * 131 + static_cast<size_t>(seed) * 7919) % 251);
-  return v;
-}
+using testing::Pattern;
 
 double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
@@ -265,311 +238,18 @@ TEST(UcxTagTest, TagsOutsideTheLayoutAreRejected) {
 }
 
 // ---------------------------------------------------------------------------
-// The semantics of transport.h on each path.
+// What UCX adds, on each path, to the rules of transport.h (the rules
+// themselves are checked on every path by the shared suite,
+// transport_test.cc): refused operations complete on the progress thread,
+// WaitPosted, a send started inside the last completion before a close, and
+// Progress run by callers.
 
-struct PathConfig {
-  const char* name;
-  const char* tls;
-  bool prefer_copy_shm;
-};
-
-// Names the parameter in test listings (ctest shows it).
-void PrintTo(const PathConfig& config, std::ostream* os) {
-  *os << config.name;
-}
+using PathConfig = testing::UcxPath;
 
 class UcxPathTest : public ::testing::TestWithParam<PathConfig> {
  protected:
   UcxOptions Options() const { return TestOptions(GetParam().tls, GetParam().prefer_copy_shm); }
 };
-
-TEST_P(UcxPathTest, MessagesMatchInOrderPerSenderAndTag) {
-  Group g = Connected(3, Options());
-  ASSERT_EQ(g.size(), 3u);
-  constexpr int kCount = 120;
-  // Ranks 0 and 2 both send to rank 1 on tags 7 and 8, interleaved; every
-  // 40th message is large (rendezvous on TCP), so protocols mix within a tag.
-  auto size_of = [](int i) { return i % 40 == 39 ? size_t{300000} : sizeof(int64_t) * 4; };
-  std::vector<std::vector<char>> out, in;
-  std::vector<std::unique_ptr<Request>> sends, recvs;
-  std::vector<std::tuple<int, uint64_t, int, size_t>> expect;  // sender, tag, index, slot
-  // Receives for tag 8 first, then tag 7: matching is per tag.
-  for (uint64_t tag : {8, 7}) {
-    for (int sender : {0, 2}) {
-      for (int i = 0; i < kCount; ++i) {
-        in.emplace_back(size_of(i));
-        recvs.push_back(g[1]->Recv(sender, tag, in.back().data(), in.back().size()));
-        expect.emplace_back(sender, tag, i, in.size() - 1);
-      }
-    }
-  }
-  std::vector<std::thread> senders;
-  std::vector<std::vector<std::unique_ptr<Request>>> per_sender(3);
-  std::vector<std::vector<std::vector<char>>> buffers(3);
-  for (int sender : {0, 2}) {
-    senders.emplace_back([&, sender] {
-      auto& bufs = buffers[static_cast<size_t>(sender)];
-      bufs.reserve(size_t{2} * kCount);
-      for (int i = 0; i < kCount; ++i) {
-        for (uint64_t tag : {7, 8}) {
-          bufs.push_back(Pattern(size_of(i), sender * 1000 + static_cast<int>(tag) * 100 + i));
-          std::memcpy(bufs.back().data(), &i, sizeof(i));
-          per_sender[static_cast<size_t>(sender)].push_back(
-              g[static_cast<size_t>(sender)]->Send(1, tag, bufs.back().data(), bufs.back().size()));
-        }
-      }
-      for (auto& r : per_sender[static_cast<size_t>(sender)]) EXPECT_TRUE(r->Wait(kWait).ok());
-    });
-  }
-  for (auto& r : recvs) ASSERT_TRUE(r->Wait(kWait).ok());
-  for (auto& t : senders) t.join();
-  for (const auto& [sender, tag, i, slot] : expect) {
-    int got = -1;
-    std::memcpy(&got, in[slot].data(), sizeof(got));
-    ASSERT_EQ(got, i) << "sender " << sender << " tag " << tag;
-    auto want = Pattern(size_of(i), sender * 1000 + static_cast<int>(tag) * 100 + i);
-    ASSERT_EQ(std::memcmp(in[slot].data() + sizeof(int), want.data() + sizeof(int), want.size() - sizeof(int)), 0);
-  }
-}
-
-TEST_P(UcxPathTest, ManyConcurrentTagsFromManyThreads) {
-  constexpr int kRanks = 3;
-  constexpr int kTags = 48;
-  Group g = Connected(kRanks, Options());
-  ASSERT_EQ(g.size(), static_cast<size_t>(kRanks));
-  auto bytes_of = [](int tag) { return static_cast<size_t>((tag * 997) % 20000 + 1); };
-  std::atomic<int> failures{0};
-  std::vector<std::thread> threads;
-  for (int r = 0; r < kRanks; ++r) {
-    // One thread receives (tags in reverse order), one sends.
-    threads.emplace_back([&, r] {
-      std::vector<std::vector<char>> bufs;
-      std::vector<std::unique_ptr<Request>> reqs;
-      std::vector<std::pair<int, int>> what;
-      bufs.reserve(static_cast<size_t>(kRanks) * kTags);
-      for (int tag = kTags - 1; tag >= 0; --tag) {
-        for (int p = 0; p < kRanks; ++p) {
-          if (p == r) continue;
-          bufs.emplace_back(bytes_of(tag));
-          reqs.push_back(
-              g[static_cast<size_t>(r)]->Recv(p, static_cast<uint64_t>(tag), bufs.back().data(), bufs.back().size()));
-          what.emplace_back(p, tag);
-        }
-      }
-      for (size_t i = 0; i < reqs.size(); ++i) {
-        Status s = reqs[i]->Wait(kWait);
-        if (!s.ok() || bufs[i] != Pattern(bytes_of(what[i].second), what[i].first * 100 + r * 10000 + what[i].second)) {
-          ADD_FAILURE() << "rank " << r << " from " << what[i].first << " tag " << what[i].second << ": "
-                        << s.ToString();
-          ++failures;
-        }
-      }
-    });
-    threads.emplace_back([&, r] {
-      std::vector<std::vector<char>> bufs;
-      std::vector<std::unique_ptr<Request>> reqs;
-      bufs.reserve(static_cast<size_t>(kRanks) * kTags);
-      for (int tag = 0; tag < kTags; ++tag) {
-        for (int p = 0; p < kRanks; ++p) {
-          if (p == r) continue;
-          bufs.push_back(Pattern(bytes_of(tag), r * 100 + p * 10000 + tag));
-          reqs.push_back(
-              g[static_cast<size_t>(r)]->Send(p, static_cast<uint64_t>(tag), bufs.back().data(), bufs.back().size()));
-        }
-      }
-      for (auto& req : reqs) {
-        Status s = req->Wait(kWait);
-        if (!s.ok()) {
-          ADD_FAILURE() << s.ToString();
-          ++failures;
-        }
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  EXPECT_EQ(failures.load(), 0);
-}
-
-TEST_P(UcxPathTest, ZeroOneAndEightMebibyteMessages) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  for (size_t bytes : {size_t{0}, size_t{1}, size_t{8} << 20}) {
-    for (bool receive_first : {true, false}) {
-      SCOPED_TRACE(::testing::Message() << bytes << " bytes, receive posted " << (receive_first ? "first" : "later"));
-      const auto data = Pattern(bytes, static_cast<int>(bytes % 1000));
-      std::vector<char> got(bytes, 0);
-      std::unique_ptr<Request> recv;
-      if (receive_first) recv = g[1]->Recv(0, 42, bytes ? got.data() : nullptr, bytes);
-      auto send = g[0]->Send(1, 42, bytes ? data.data() : nullptr, bytes);
-      if (!receive_first) {
-        std::this_thread::sleep_for(milliseconds(20));  // the message arrives unexpected (or as a rendezvous offer)
-        recv = g[1]->Recv(0, 42, bytes ? got.data() : nullptr, bytes);
-      }
-      ASSERT_TRUE(recv->Wait(kWait).ok());
-      ASSERT_TRUE(send->Wait(kWait).ok());
-      EXPECT_TRUE(got == data);
-    }
-  }
-}
-
-TEST_P(UcxPathTest, SizeMismatchNamesBothSizes) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  const std::vector<std::pair<size_t, size_t>> cases = {{32, 16},
-                                                        {32, 64},
-                                                        {0, 8},
-                                                        {8, 0},
-                                                        {100000, 50000},
-                                                        {size_t{8} << 20, size_t{4} << 20},
-                                                        {size_t{4} << 20, size_t{8} << 20}};
-  uint64_t tag = 100;
-  for (const auto& [sent, expected] : cases) {
-    SCOPED_TRACE(::testing::Message() << "sent " << sent << ", expected " << expected);
-    const auto data = Pattern(sent, 1);
-    std::vector<char> got(expected);
-    auto recv = g[1]->Recv(0, tag, got.data(), expected);
-    auto send = g[0]->Send(1, tag, data.data(), sent);
-    Status s = recv->Wait(kWait);
-    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
-    EXPECT_NE(s.message().find("rank 0 sent " + std::to_string(sent) + " bytes"), std::string::npos) << s.ToString();
-    EXPECT_NE(s.message().find("expected " + std::to_string(expected)), std::string::npos) << s.ToString();
-    EXPECT_TRUE(send->Wait(kWait).ok());
-    ++tag;
-  }
-  // The pair still works.
-  int v = 7, w = 0;
-  auto recv = g[1]->Recv(0, 1, &w, sizeof(w));
-  ASSERT_TRUE(g[0]->Send(1, 1, &v, sizeof(v))->Wait(kWait).ok());
-  ASSERT_TRUE(recv->Wait(kWait).ok());
-  EXPECT_EQ(w, 7);
-}
-
-TEST_P(UcxPathTest, WaitTimesOutNamingThePeerAndCanWaitAgain) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  int64_t got = 0;
-  auto recv = g[0]->Recv(1, 5, &got, sizeof(got));
-  const auto start = Clock::now();
-  Status s = recv->Wait(milliseconds(50));
-  EXPECT_GE(Seconds(Clock::now() - start), 0.045);
-  EXPECT_EQ(s.code(), StatusCode::kDeadlineExceeded) << s.ToString();
-  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
-  EXPECT_EQ(recv->Wait(milliseconds(10)).code(), StatusCode::kDeadlineExceeded);
-  const int64_t value = 0x1234567890;
-  ASSERT_TRUE(g[1]->Send(0, 5, &value, sizeof(value))->Wait(kWait).ok());
-  EXPECT_TRUE(recv->Wait(kWait).ok());
-  EXPECT_TRUE(recv->Wait(milliseconds(0)).ok());  // done stays done
-  EXPECT_EQ(got, value);
-}
-
-TEST_P(UcxPathTest, DroppedReceivesAreCancelled) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  const auto start = Clock::now();
-  for (size_t bytes : {size_t{64}, size_t{8} << 20}) {
-    auto buf = std::make_unique<char[]>(bytes);
-    auto recv = g[0]->Recv(1, 3, buf.get(), bytes);
-    recv.reset();  // cancelled: UCX no longer holds buf
-    buf.reset();
-  }
-  EXPECT_LT(Seconds(Clock::now() - start), 2.0);
-  // The message goes to the next receive, not to a dropped one.
-  const auto data = Pattern(64, 3);
-  std::vector<char> got(64);
-  auto send = g[1]->Send(0, 3, data.data(), data.size());
-  ASSERT_TRUE(g[0]->Recv(1, 3, got.data(), got.size())->Wait(kWait).ok());
-  EXPECT_TRUE(send->Wait(kWait).ok());
-  EXPECT_TRUE(got == data);
-}
-
-TEST_P(UcxPathTest, PeerThatClosesFailsPendingAndLaterOperations) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  // Data sent before the close is still delivered.
-  const int64_t last = 99;
-  ASSERT_TRUE(g[1]->Send(0, 4, &last, sizeof(last))->Wait(kWait).ok());
-  int64_t got = 0;
-  auto pending = g[0]->Recv(1, 9, &got, sizeof(got));
-  const auto start = Clock::now();
-  g[1].reset();
-  Status s = pending->Wait(kWait);
-  EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
-  EXPECT_NE(s.message().find("rank 1"), std::string::npos) << s.ToString();
-  EXPECT_LT(Seconds(Clock::now() - start), 3.0);
-  int64_t before = 0;
-  EXPECT_TRUE(g[0]->Recv(1, 4, &before, sizeof(before))->Wait(kWait).ok());
-  EXPECT_EQ(before, 99);
-  Status later = g[0]->Send(1, 9, &got, sizeof(got))->Wait(kWait);
-  EXPECT_EQ(later.code(), StatusCode::kUnavailable) << later.ToString();
-  EXPECT_NE(later.message().find("rank 1"), std::string::npos) << later.ToString();
-  EXPECT_EQ(g[0]->Recv(1, 10, &got, sizeof(got))->Wait(kWait).code(), StatusCode::kUnavailable);
-}
-
-TEST_P(UcxPathTest, CpuCollectives) {
-  for (int n : {2, 3}) {
-    SCOPED_TRACE(::testing::Message() << "world size " << n);
-    Group g = Connected(n, Options());
-    ASSERT_EQ(g.size(), static_cast<size_t>(n));
-    std::vector<Status> results(static_cast<size_t>(n) * 5);
-    std::vector<std::thread> threads;
-    threads.reserve(static_cast<size_t>(n));
-    for (int r = 0; r < n; ++r) {
-      threads.emplace_back([&, r] {
-        auto& t = *g[static_cast<size_t>(r)];
-        auto result = [&](int i) -> Status& { return results[static_cast<size_t>(r) * 5 + static_cast<size_t>(i)]; };
-        collectives::CollectiveOptions o;
-        o.timeout = kWait;
-        o.chunk_bytes = 256 << 10;
-        // Large all-reduce (ring) and small (recursive doubling).
-        for (size_t count : {size_t{1} << 20, size_t{5}}) {
-          std::vector<float> data(count);
-          for (size_t i = 0; i < count; ++i) data[i] = static_cast<float>((r + 1) * (i % 100));
-          Status s = collectives::AllReduce(t, data.data(), count, collectives::DType::kFloat32,
-                                            collectives::ReduceOp::kSum, o);
-          const int sum_of_ranks = n * (n + 1) / 2;  // of (rank + 1) over the ranks
-          const auto ranks_sum = static_cast<float>(sum_of_ranks);
-          for (size_t i = 0; s.ok() && i < count; ++i) {
-            if (data[i] != ranks_sum * static_cast<float>(i % 100)) {
-              s = Internal("all-reduce element {} is {}, expected {}", i, data[i],
-                           ranks_sum * static_cast<float>(i % 100));
-            }
-          }
-          result(count == 5 ? 1 : 0) = s;
-          o.tag++;
-        }
-        {
-          const size_t count = 100000;
-          std::vector<int32_t> in(count, r), out(count * static_cast<size_t>(n), -1);
-          Status s = collectives::AllGather(t, in.data(), out.data(), count, collectives::DType::kInt32, o);
-          for (size_t i = 0; s.ok() && i < out.size(); ++i) {
-            if (out[i] != static_cast<int32_t>(i / count)) s = Internal("all-gather element {} is {}", i, out[i]);
-          }
-          result(2) = s;
-          o.tag++;
-        }
-        {
-          std::vector<int64_t> data(300000, r == n - 1 ? 42 : 0);
-          Status s = collectives::Broadcast(t, data.data(), data.size(), collectives::DType::kInt64, n - 1, o);
-          for (size_t i = 0; s.ok() && i < data.size(); ++i) {
-            if (data[i] != 42) s = Internal("broadcast element {} is {}", i, data[i]);
-          }
-          result(3) = s;
-          o.tag++;
-        }
-        result(4) = collectives::Barrier(t, o);
-      });
-    }
-    for (auto& th : threads) th.join();
-    for (size_t i = 0; i < results.size(); ++i)
-      EXPECT_TRUE(results[i].ok()) << "rank " << i / 5 << " step " << i % 5 << ": " << results[i].ToString();
-  }
-}
-
-TEST_P(UcxPathTest, CompletionsRunOnTheProgressThread) {
-  Group g = Connected(2, Options());
-  ASSERT_EQ(g.size(), 2u);
-  testing::CheckAsyncCompletions(g[0].get(), g[1].get(), [&] { g[0].reset(); });
-}
 
 TEST_P(UcxPathTest, RefusedOperationsStillCompleteOnTheProgressThread) {
   Group g = Connected(2, Options());
@@ -802,9 +482,7 @@ TEST_P(UcxPathTest, ProgressRunsCompletionsOnTheCallingThreadOneAtATime) {
   EXPECT_EQ(got, 42);
 }
 
-INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest,
-                         ::testing::Values(PathConfig{"SharedMemoryCopy", "", true},
-                                           PathConfig{"SharedMemoryCma", "", false}, PathConfig{"Tcp", "tcp", true}),
+INSTANTIATE_TEST_SUITE_P(Paths, UcxPathTest, ::testing::ValuesIn(testing::UcxPaths()),
                          [](const ::testing::TestParamInfo<PathConfig>& param_info) { return param_info.param.name; });
 
 // ---------------------------------------------------------------------------
