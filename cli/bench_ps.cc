@@ -97,6 +97,7 @@
 #include "common/transport/ps_group.h"
 #include "server/ps_core.h"
 #include "server/ps_node.h"
+#include "server/shard_loop.h"
 #include "worker/ps/ps_client.h"
 
 namespace tandem::cli {
@@ -251,6 +252,8 @@ struct ServerEpoch {
   std::unique_ptr<server::PushLanding> landing;
   std::atomic<transport::FrameChannel*> channel{nullptr};
   std::unique_ptr<transport::FrameChannel> owned_channel;
+  // The shard's loop, as in PsNode: the channel hands every frame to it.
+  std::unique_ptr<server::ShardLoop> loop = std::make_unique<server::ShardLoop>("bench-shard");
 };
 
 transport::FrameChannel* WaitChannel(ServerEpoch& e) {
@@ -269,13 +272,15 @@ server::Reply ServerReply(ServerEpoch& e, int rank) {
       [ch, rank](ps::Frame header, server::ReplyBody body) { server::SendReply(*ch, rank, header, std::move(body)); };
 }
 
-// Dispatches a frame to the store as PsNode::OnFrame does.
-void OnServerFrame(ServerEpoch& e, int rank, const ps::Frame& h, void* payload) {
+// Dispatches a frame to the store on the loop as PsNode::OnFrame does.
+void OnServerFrame(ServerEpoch& e, int rank, const ps::Frame& h, std::shared_ptr<std::vector<float>> landed,
+                   const std::vector<char>& bytes) {
   const uint64_t from = e.group.members[static_cast<size_t>(rank)];
   server::Reply reply = ServerReply(e, rank);
   switch (h.type) {
     case ps::FrameType::kPush:
-      return e.landing->Push(rank, from, h, payload, reply);
+      if (landed) return e.store->Push(from, h, std::move(landed), reply);
+      return e.store->Push(from, h, bytes.empty() ? nullptr : bytes.data(), reply);
     case ps::FrameType::kPull:
       return e.store->Pull(from, h, reply);
     default: {
@@ -330,16 +335,23 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   e.landing = std::make_unique<server::PushLanding>(e.store.get(), e.group.members.size());
   transport::FrameChannel::Handler handler;
   handler.payload_buffer = [&e](int rank, const ps::Frame& h) { return e.landing->PayloadBuffer(rank, h); };
-  handler.on_frame = [&e](int rank, const ps::Frame& h, void* payload, std::vector<char>&) {
-    OnServerFrame(e, rank, h, payload);
+  // Hands a frame and its payload over to the loop, as PsNode::HandOver does.
+  auto hand_over = [&e](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned) {
+    std::shared_ptr<std::vector<float>> landed = e.landing->Take(rank, payload);
+    std::vector<char> bytes;
+    if (!landed && payload != nullptr) bytes = std::move(owned);
+    e.loop->Defer([&e, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
+      OnServerFrame(e, rank, h, std::move(landed), bytes);
+    });
   };
+  handler.on_frame = hand_over;
   // The worker closes its group when it is done with a size, just before it
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
-  handler.try_inline = [&e](int rank, const ps::Frame& h, void* payload, std::vector<char>&,
-                            transport::FrameChannel::Then& then) {
-    return server::TryHandleInline(*e.store, *e.landing, rank, e.group.members[static_cast<size_t>(rank)], h, payload,
-                                   then, [&] { return ServerReply(e, rank); });
+  handler.try_inline = [hand_over](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned,
+                                   transport::FrameChannel::Then&) mutable {
+    hand_over(rank, h, payload, owned);
+    return true;
   };
   e.owned_channel =
       std::make_unique<transport::FrameChannel>(e.group.transport.get(), std::vector<int>{worker}, std::move(handler));
@@ -361,6 +373,7 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
     }
   }
   e.owned_channel->Stop();
+  e.loop->Stop();
   const auto& counters = e.store->counters();
   const std::string stats = fmt::format("{} {:.9f} {} {}", counters.updates.load(), counters.update_seconds.load(),
                                         counters.pushes.load(), counters.pulls.load());

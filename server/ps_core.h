@@ -230,42 +230,12 @@ class ParameterStore {
   // first contribution of an fp32 step then costs no copy. Empty when that
   // cannot apply (another dtype, a partition this server does not hold, a
   // size that does not match, the store's lock held: it never waits for
-  // it). The contents are not initialised.
+  // it, since the transport's completion thread asks). The contents are not
+  // initialised.
   std::shared_ptr<std::vector<float>> PushBuffer(const ps::Frame& header);
   // A push whose payload was received into `buffer` (from PushBuffer).
   void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
   void Pull(uint64_t from, const ps::Frame& header, Reply reply);
-  // Pull without waiting for a lock: returns false, having done nothing
-  // (`reply` is left as it was), when the store's lock or the partition's is
-  // held (an update or a push is being applied, or a step is being shared or
-  // decided). For a thread that must not block (the transport's completion
-  // thread).
-  bool TryPull(uint64_t from, const ps::Frame& header, Reply& reply);
-  // The rest of a push taken in by TryPush, for a thread that may block.
-  using Then = std::function<void()>;
-  // Pushes of at most this many bytes may be taken in by TryPush.
-  static constexpr uint64_t kInlinePushBytes = 1ULL << 20;
-  // A push taken in by TryPush that completes its partition's step goes on
-  // with the step (scan, share, update) right there, after its reply (which
-  // the reply function hands to the transport first: Transport::WaitPosted),
-  // when it is at most this large; a larger one leaves all of that in
-  // `later`, so that the completion thread, which carries every peer's
-  // messages, is not held up by it.
-  static constexpr uint64_t kInlineFinishBytes = 256ULL << 10;
-  // Push without waiting for a lock, in sync mode, of at most
-  // kInlinePushBytes: checks the push, folds it into the step's gradient
-  // and replies, as Push does; returns false, having done nothing (`buffer`
-  // and `reply` left as they were), where Push would wait for a lock, in the
-  // asynchronous modes (the update is applied at once) and for larger
-  // pushes. When a push of at most kInlineFinishBytes completes the
-  // server's part of the step, the step is shared and, once decided, applied
-  // right there too, as long as no lock is held and the server's partitions
-  // (primaries and backups) hold at most kInlinePushBytes of fp32; what
-  // cannot be done so (all of it for a larger push or a larger server; the rest of a decision from a partition whose
-  // lock is held on; sends to backups, whose failure handling may wait for locks; a checkpoint waiting for the step) is
-  // left in `later`, for the caller to run on a thread that may block before it takes in the sender's next frame.
-  bool TryPush(uint64_t from, const ps::Frame& header, const void* payload, std::shared_ptr<std::vector<float>>& buffer,
-               Reply& reply, Then& later);
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
   void Transfer(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -381,20 +351,33 @@ class ParameterStore {
 
   std::shared_ptr<Part> Find(uint32_t partition) const;
   std::vector<Segment> SegmentsFor(uint64_t begin, uint64_t end) const TANDEM_REQUIRES(mu_);
-  // With `busy` set, never waits for a lock: when the store's or the
-  // partition's lock is held, sets *busy and returns nothing else of use.
-  Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary, bool* busy = nullptr) const;
-  bool PullImpl(uint64_t from, const ps::Frame& header, Reply& reply, bool try_only);
+  Result<std::shared_ptr<Part>> CheckDataFrame(const ps::Frame& header, bool primary) const;
   // `buffer`, when set, holds `payload` (PushBuffer) and may be kept (moved
-  // from). With `later` set (TryPush), never waits for a lock: returns false,
-  // having done nothing, where it would, and leaves what would wait in
-  // *later (ShareStep).
-  bool PushImpl(uint64_t from, const ps::Frame& header, const void* payload,
-                std::shared_ptr<std::vector<float>>& buffer, Reply& reply, Then* later);
+  // from).
+  void PushImpl(uint64_t from, const ps::Frame& header, const void* payload,
+                std::shared_ptr<std::vector<float>>& buffer, Reply& reply);
+  // A push being taken in, its partition locked (plock) and checked.
+  struct PushIn {
+    uint64_t from;
+    const ps::Frame& h;
+    const void* payload;
+    std::shared_ptr<std::vector<float>>& buffer;
+    Reply& reply;
+    Part& part;
+    std::unique_lock<std::mutex>& plock;
+    uint64_t epoch;
+  };
+  // Answers the push with `status`'s error (unlocking the partition first).
+  void RefusePush(PushIn& in, const Status& status);
+  // Sync mode: folds the push into its step's aggregation in contributor
+  // order; the push that completes it goes on with the step's scan.
+  void PushSync(PushIn& in, v1::NonFinitePolicy policy);
+  // Asynchronous and bounded-staleness modes: applies the push now.
+  void PushAsync(PushIn& in, const v1::ConsistencyConfig& consistency, v1::NonFinitePolicy policy, uint32_t dp,
+                 uint64_t start_step);
   // Shares the step once this server's partitions have all aggregated it
-  // (MaybeShare), then runs what follows (a decision applies the update):
-  // now, or, with `later`, left there.
-  void ShareStep(uint64_t epoch, uint64_t step, Then* later);
+  // (MaybeShare), then runs what follows (a decision applies the update).
+  void ShareStep(uint64_t epoch, uint64_t step);
   // The rest of a sync push that completed the aggregation of `step` into
   // `acc` (already acknowledged): marks its scan pending (unless a new epoch
   // replaced the aggregation meanwhile) and runs ScanStep.
@@ -416,26 +399,19 @@ class ParameterStore {
   // A gradient-sized buffer, reused from released ones when one of that size
   // is spare (contents not initialised then).
   std::shared_ptr<std::vector<float>> Buffer(size_t n);
-  // After a partition became ready: shares or decides (sync mode). With
-  // `later` (a thread that must not block; TryPush), nothing waits for a
-  // lock: returns false, having changed nothing, when a lock is held or the
-  // server's partitions hold more than kInlinePushBytes of fp32 (too much
-  // to update there), and the decision's actions leave work that meets a
-  // held lock in *later.
-  bool MaybeShare(uint64_t epoch, uint64_t step, Actions& actions, Then* later);
-  void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions, Then* later);
-  // With `later`, the caller holds every partition's lock (MaybeShare).
-  void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions, Then* later);
+  // After a partition became ready: shares or decides (sync mode).
+  void MaybeShare(uint64_t epoch, uint64_t step, Actions& actions);
+  void MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions) TANDEM_REQUIRES(mu_);
+  void Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions) TANDEM_REQUIRES(mu_);
   // Applies one update to a partition (grad already reduced) with the
   // learning rate `lr` (0: the schedule's; Optimizer::Apply's step_lr).
   void ApplyLocked(Part& part, const float* grad, double grad_scale, double lr) TANDEM_REQUIRES(part.mu);
-  // Applies a decided sync step to the partitions that aggregated it. With
-  // `later`, from the first partition whose lock is held on, in *later.
+  // Applies a decided sync step to the partitions that aggregated it.
   void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
-                     double grad_scale, Then* later);
+                     double grad_scale);
   // A partition completed `step`: hands its state to checkpoints waiting for
-  // it. With `later`, in *later when a lock is held or a checkpoint waits.
-  void StepCompleted(uint32_t partition, uint64_t step, Then* later = nullptr);
+  // it.
+  void StepCompleted(uint32_t partition, uint64_t step);
   // Sends an update to the backup (or marks it safe without one), queueing
   // the acknowledgement's follow-ups.
   void ReplicateLocked(Part& part, ps::Frame header, std::shared_ptr<const std::vector<float>> grad, Actions& actions)
@@ -505,29 +481,14 @@ class ParameterStore {
   bool captures_stopped_ TANDEM_GUARDED_BY(mu_) = false;
 };
 
-class PushLanding;
-
-// What a server handles on its transport's completion thread
-// (FrameChannel::Handler::try_inline): a pull whose partition is not locked
-// (answered at once, or queued for its step), and a sync-mode push of at
-// most ParameterStore::kInlinePushBytes whose partition is not locked
-// (checked, folded in and answered; the step it completes is shared,
-// decided and applied there too when the server is small and no lock is
-// held, else left in `then` for the peer's receiver thread: TryPush).
-// Everything else (larger or asynchronous pushes; replication; a
-// frame whose partition is locked) goes to the frame's peer's receiver
-// thread. `make_reply` builds the frame's reply (only for a pull or push).
-template <typename MakeReply>
-bool TryHandleInline(ParameterStore& store, PushLanding& landing, int peer, uint64_t from, const ps::Frame& header,
-                     const void* payload, ParameterStore::Then& then, MakeReply make_reply);
-
 // Lands pushes in store buffers for a frame channel (FrameChannel::Handler):
 // payload_buffer asks the store for a buffer it can keep
-// (ParameterStore::PushBuffer) and holds it for the frame's peer until
-// on_frame hands it to Push. A channel receives each peer's frames one at a
-// time (a frame's payload_buffer and on_frame calls end before the next
-// frame's begin, whichever threads make them), so one slot per peer
-// suffices and needs no lock.
+// (ParameterStore::PushBuffer) and holds it for the frame's peer until the
+// frame's handler takes it (Take) to hand it to ParameterStore::Push. A
+// channel receives each peer's frames one at a time (a frame's
+// payload_buffer and handler calls end before the next frame's begin,
+// whichever threads make them), so one slot per peer suffices and needs no
+// lock.
 class PushLanding {
  public:
   // `peers`: ranks are 0 to peers - 1.
@@ -535,30 +496,14 @@ class PushLanding {
   // For FrameChannel::Handler::payload_buffer: nullptr lets the channel
   // allocate.
   void* PayloadBuffer(int peer, const ps::Frame& header);
-  // ParameterStore::Push of a push frame from `peer` (member `from`).
-  void Push(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
-  // ParameterStore::TryPush of it: when declined, the frame's buffer stays
-  // for Push.
-  bool TryPush(int peer, uint64_t from, const ps::Frame& header, const void* payload, Reply& reply,
-               ParameterStore::Then& then);
+  // The buffer the frame from `peer` whose payload is at `payload` was
+  // received into (null when the channel allocated it), taken out of the
+  // peer's slot.
+  std::shared_ptr<std::vector<float>> Take(int peer, const void* payload);
 
  private:
   ParameterStore* const store_;
   std::vector<std::shared_ptr<std::vector<float>>> slots_;
 };
-
-template <typename MakeReply>
-bool TryHandleInline(ParameterStore& store, PushLanding& landing, int peer, uint64_t from, const ps::Frame& header,
-                     const void* payload, ParameterStore::Then& then, MakeReply make_reply) {
-  if (header.type == ps::FrameType::kPull) {
-    Reply reply = make_reply();
-    return store.TryPull(from, header, reply);
-  }
-  if (header.type == ps::FrameType::kPush) {
-    Reply reply = make_reply();
-    return landing.TryPush(peer, from, header, payload, reply, then);
-  }
-  return false;
-}
 
 }  // namespace tandem::server

@@ -66,7 +66,8 @@ class PsNode::Service final : public v1::ParameterServer::Service {
                  "starting)")
           .ToGrpc();
     }
-    auto result = node_->store().Initialize(*request);
+    Result<v1::InitializeParametersResponse> result = Unavailable("the server is stopping");
+    node_->loop_.Run([&] { result = node_->store().Initialize(*request); });
     if (!result.ok()) return result.status().ToGrpc();
     *response = std::move(result).value();
     return grpc::Status::OK;
@@ -281,7 +282,9 @@ class PsNode::Service final : public v1::ParameterServer::Service {
       TANDEM_ASSIGN_OR_RETURN(PartitionState s, reader.Read(id, range.first, range.second, with_state));
       states.push_back(std::move(s));
     }
-    TANDEM_RETURN_IF_ERROR(node_->store().Replace(std::move(states), !with_state));
+    Status replaced = Unavailable("the server is stopping");
+    node_->loop_.Run([&] { replaced = node_->store().Replace(std::move(states), !with_state); });
+    TANDEM_RETURN_IF_ERROR(replaced);
     std::sort(ids.begin(), ids.end());
     response->set_step(meta.step);
     for (uint32_t id : ids) response->add_partition_ids(id);
@@ -472,6 +475,8 @@ void PsNode::Stop() {
     group = std::move(group_);
   }
   if (group && group->channel) group->channel->Stop();
+  // What the channel handed over runs before the loop ends.
+  loop_.Stop();
 }
 
 Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session) {
@@ -485,8 +490,11 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   const uint64_t self = session.member_id();
   service_->SetToken(session.options().token);
   // The store first: whatever was waiting in the old epoch fails now.
-  store_->SetEpoch(epoch.epoch(), self, epoch.shard_map(), std::max<uint32_t>(1, epoch.mesh().dp()),
-                   epoch.start_step());
+  const bool adopted = loop_.Run([&] {
+    store_->SetEpoch(epoch.epoch(), self, epoch.shard_map(), std::max<uint32_t>(1, epoch.mesh().dp()),
+                     epoch.start_step());
+  });
+  if (!adopted) return Unavailable("the server is shutting down");
   std::shared_ptr<Group> old;
   {
     std::lock_guard lock(mu_);
@@ -537,16 +545,20 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
     auto g = weak.lock();
     return g ? g->landing->PayloadBuffer(rank, h) : nullptr;
   };
+  // Every frame goes to the shard's loop from the completion thread it
+  // arrives on (try_inline always takes it); on_frame is only the channel's
+  // required fallback.
   handler.on_frame = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned) {
-    if (auto g = weak.lock()) OnFrame(g, rank, h, payload, owned);
+    if (auto g = weak.lock()) HandOver(g, rank, h, payload, owned);
   };
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
-    if (auto g = weak.lock()) OnPeerFailed(g, rank, status);
+    if (auto g = weak.lock()) loop_.Defer([this, g, rank, status] { OnPeerFailed(g, rank, status); });
   };
-  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>&,
-                                    transport::FrameChannel::Then& then) {
-    auto g = weak.lock();
-    return !g || TryInline(g, rank, h, payload, then);  // a frame of a group that is gone is dropped, as on_frame does
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned,
+                                    transport::FrameChannel::Then&) {
+    // A frame of a group that is gone is dropped.
+    if (auto g = weak.lock()) HandOver(g, rank, h, payload, owned);
+    return true;
   };
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
                                                              /*start=*/false);
@@ -555,7 +567,7 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
     group_ = group;
   }
   group->channel->Start();
-  store_->LinksReady(epoch.epoch());
+  loop_.Run([&] { store_->LinksReady(epoch.epoch()); });
   spdlog::info("epoch {}: parameter-server group of {} members ready in {:.0f} ms", epoch.epoch(),
                group->group.members.size(),
                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
@@ -580,20 +592,27 @@ Reply PsNode::Replier(const std::shared_ptr<Group>& group, int rank) {
   };
 }
 
-bool PsNode::TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, const void* payload,
-                       transport::FrameChannel::Then& then) {
-  return TryHandleInline(*store_, *group->landing, rank, group->group.members[static_cast<size_t>(rank)], h, payload,
-                         then, [&] { return Replier(group, rank); });
+void PsNode::HandOver(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,
+                      std::vector<char>& owned) {
+  // The payload is in the peer's landing slot (a push received into a store
+  // buffer) or in `owned` (the channel's); either way the task keeps it.
+  std::shared_ptr<std::vector<float>> landed = group->landing->Take(rank, payload);
+  std::vector<char> bytes;
+  if (!landed && payload != nullptr) bytes = std::move(owned);
+  loop_.Defer([this, group, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
+    OnFrame(group, rank, h, std::move(landed), bytes);
+  });
 }
 
-void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h, void* payload,
-                     std::vector<char>& owned) {
-  (void)owned;
+void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h,
+                     std::shared_ptr<std::vector<float>> landed, std::vector<char>& bytes) {
+  const void* payload = landed ? static_cast<const void*>(landed->data()) : (bytes.empty() ? nullptr : bytes.data());
   const uint64_t from = group->group.members[static_cast<size_t>(rank)];
   Reply reply = Replier(group, rank);
   switch (h.type) {
     case ps::FrameType::kPush:
-      return group->landing->Push(rank, from, h, payload, reply);
+      if (landed) return store_->Push(from, h, std::move(landed), reply);
+      return store_->Push(from, h, payload, reply);
     case ps::FrameType::kPull:
       return store_->Pull(from, h, reply);
     case ps::FrameType::kShare:
@@ -674,7 +693,7 @@ void PsNode::SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_
   h.request_id = next_request_.fetch_add(1);
   {
     std::lock_guard lock(group->mu);
-    group->waiting[h.request_id] = {rank, done};
+    group->waiting[h.request_id] = {rank, std::move(done)};
   }
   const void* data = payload ? payload->data() : nullptr;
   const size_t bytes = payload ? payload->size() * sizeof(float) : 0;
@@ -682,7 +701,7 @@ void PsNode::SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_
   const uint64_t id = h.request_id;
   group->channel->Send(
       rank, h, data, bytes,
-      [weak, id](const Status& sent) {
+      [this, weak, id](const Status& sent) {
         if (sent.ok()) return;
         auto g = weak.lock();
         if (!g) return;
@@ -695,7 +714,8 @@ void PsNode::SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_
             g->waiting.erase(w);
           }
         }
-        if (failed) failed(sent);
+        // On the completion thread: the store hears of it on its loop.
+        if (failed) loop_.Defer([failed = std::move(failed), sent] { failed(sent); });
       },
       std::move(payload));
 }

@@ -6,14 +6,19 @@
 //   UCX transport with every worker and server of the epoch
 //   (common/transport/ps_group.h), served by a FrameChannel.
 // - Data plane: frames from workers (push, pull) and servers (step shares,
-//   replicated updates, state transfers) go to the store; its replies and
-//   its messages to other servers go back through the channel.
+//   replicated updates, state transfers, their replies) are handed from the
+//   transport's completion thread to the shard's loop (server/shard_loop.h),
+//   which runs them on the store one at a time; its replies and its messages
+//   to other servers go back through the channel. Membership changes,
+//   initialisation and restores run on the loop too, so the store's state
+//   is only ever changed there (reads, such as statistics, and a
+//   checkpoint's wait for its step come from the gRPC threads).
 // - Control plane: the tandem.v1.ParameterServer gRPC service (initialise,
 //   statistics, checkpoints), with the job's join token.
 // - Metrics: tandem_server_* (docs/metrics.md), refreshed every second.
 //
 // Thread safety: the hooks run on the member session's threads, frames on the
-// channel's, gRPC calls on gRPC's; Stop() from the daemon's shutdown path.
+// shard's loop, gRPC calls on gRPC's; Stop() from the daemon's shutdown path.
 #pragma once
 
 #include <atomic>
@@ -32,6 +37,7 @@
 #include "common/transport/frame_channel.h"
 #include "common/transport/ps_group.h"
 #include "server/ps_core.h"
+#include "server/shard_loop.h"
 #include "tandem/v1/server.grpc.pb.h"
 
 namespace tandem::server {
@@ -84,17 +90,22 @@ class PsNode final : public ServerLinks {
   Status OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session);
   // Sends a reply to `rank` over the group's channel, while the group lives.
   static Reply Replier(const std::shared_ptr<Group>& group, int rank);
-  // FrameChannel::Handler::try_inline (TryHandleInline).
-  bool TryInline(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, const void* payload,
-                 transport::FrameChannel::Then& then);
-  void OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, void* payload,
-               std::vector<char>& owned);
+  // Hands a frame received on the transport's completion thread to the
+  // loop, with its payload.
+  void HandOver(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header, void* payload,
+                std::vector<char>& owned);
+  // A frame, on the loop: its payload is in `landed` (a store buffer) or
+  // `bytes`.
+  void OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& header,
+               std::shared_ptr<std::vector<float>> landed, std::vector<char>& bytes);
   void OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const Status& status);
   std::shared_ptr<Group> Current() const;
   void RefreshMetrics();
 
   const ServerConfig config_;
   std::unique_ptr<ParameterStore> store_;
+  // Where the store's state changes (declared after it: stopped first).
+  ShardLoop loop_{"tandem-shard"};
   std::unique_ptr<Service> service_;
   mutable std::mutex mu_;
   std::shared_ptr<Group> group_ TANDEM_GUARDED_BY(mu_);

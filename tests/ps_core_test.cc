@@ -393,77 +393,9 @@ class PsCoreTest : public ::testing::Test {
       if (into != nullptr) std::memcpy(into, grad.data(), h.payload_bytes);
       return into;
     }
-    // Partition p's gradient of `step` from its only contributor, received
-    // and taken in by TryPush as the channel does: expects it answered, and
-    // returns the `then` it left.
-    ParameterStore::Then TryPushOnly(uint32_t p, uint64_t step) {
-      auto [b, e] = t.Range(p);
-      const auto grad = Grad(step, 0, b, e);
-      const ps::Frame h = PushHeader(t.epoch_, step, p, 0, 1, grad.size() * sizeof(float));
-      EXPECT_LE(h.payload_bytes, ParameterStore::kInlinePushBytes);
-      void* into = Receive(p, 0, h, grad);
-      EXPECT_NE(into, nullptr);
-      auto a = std::make_shared<Answer>();
-      Reply reply = Into(a);
-      ParameterStore::Then then;
-      EXPECT_TRUE(Of(p).TryPush(0, 1, h, into, reply, then));
-      EXPECT_TRUE(a->done);
-      EXPECT_TRUE(a->status().ok()) << a->status().ToString();
-      return then;
-    }
     PsCoreTest& t;
     std::vector<PushLanding> all;
   };
-
-  // Four steps of three contributors, every push through TryPush (as the
-  // server's channel makes it, PushLanding), running `then` where one is
-  // left: expects `deferred_per_step` per step, left by the pushes that
-  // complete a partition's step, with the step already applied by the push
-  // itself when `applied_inline` (then only its sends to backups are left),
-  // else not; no pull of the step is answered before the last `then` of the
-  // step runs (with backups, pulls wait for them); the result must equal
-  // Push's bit for bit.
-  void TryPushSteps(const Job& job, int servers, bool applied_inline, int deferred_per_step) {
-    Start(servers, job);
-    Landings landings(*this);
-    auto landing_of = [&](uint32_t p) -> PushLanding& { return landings.Of(p); };
-    std::vector<float> params;
-    for (uint64_t s = 1; s <= 4; ++s) {
-      int deferred = 0;
-      std::vector<std::shared_ptr<Answer>> early_pulls;
-      for (uint32_t p = 0; p < Partitions(); ++p) {
-        auto [b, e] = Range(p);
-        for (uint32_t c = 0; c < 3; ++c) {
-          const auto grad = Grad(s, c, b, e);
-          const ps::Frame h = PushHeader(epoch_, s, p, c, 3, grad.size() * sizeof(float));
-          const int peer = static_cast<int>(c);
-          void* into = landings.Receive(p, peer, h, grad);
-          ASSERT_NE(into, nullptr);
-          auto a = std::make_shared<Answer>();
-          Reply reply = Into(a);
-          ParameterStore::Then then;
-          ASSERT_TRUE(landing_of(p).TryPush(peer, 1, h, into, reply, then));
-          ASSERT_TRUE(a->done);
-          ASSERT_TRUE(a->status().ok()) << a->status().ToString();
-          if (!then) continue;
-          ++deferred;
-          EXPECT_EQ(PrimaryOf(p).Stats({p}).partitions(0).step(), applied_inline ? s : s - 1) << "step " << s;
-          auto early = std::make_shared<Answer>();
-          PrimaryOf(p).Pull(1, PullHeader(epoch_, s, p), Into(early));
-          EXPECT_FALSE(early->done) << "step " << s << " was answered before `then` ran";
-          early_pulls.push_back(early);
-          then();
-        }
-      }
-      for (const auto& early : early_pulls) EXPECT_TRUE(early->done) << "step " << s;
-      EXPECT_EQ(deferred, deferred_per_step) << "step " << s;
-      params = PullAll(s);
-    }
-    const auto reference = ReferenceRun(job, 4, 3);
-    ASSERT_EQ(params.size(), reference.size());
-    EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
-    ExpectReplicasEqual();
-  }
 
   // The parameters after one step of one contributor equal a one-server
   // run's, bit for bit.
@@ -563,62 +495,6 @@ TEST_F(PsCoreTest, APullReplyStillBeingSentKeepsItsStepWhileTheNextUpdateApplies
   EXPECT_EQ(std::memcmp(held[1].data(), params.data(), step1.size()), 0);
 }
 
-// TryPull (a server's pulls on its transport's completion thread) answers
-// as Pull does when the partition is free, refusals included. (It declines
-// while an update holds the partition, which a test cannot hold still.)
-TEST_F(PsCoreTest, TryPullAnswersAsPullDoes) {
-  Job job;
-  Start(1, job);
-  RunStep(1, 2);
-  ps::Frame h = PullHeader(1, 1, 0);
-  auto tried = std::make_shared<Answer>();
-  Reply reply = Into(tried);
-  ASSERT_TRUE(PrimaryOf(0).TryPull(1, h, reply));
-  auto pulled = Pull(PrimaryOf(0), 1, 1, 0);
-  ASSERT_TRUE(tried->done && pulled->done);
-  EXPECT_EQ(tried->header.status, 0);
-  EXPECT_EQ(tried->payload, pulled->payload);
-  h.partition = 999;
-  auto refused = std::make_shared<Answer>();
-  reply = Into(refused);
-  ASSERT_TRUE(PrimaryOf(0).TryPull(1, h, reply));
-  ASSERT_TRUE(refused->done);
-  EXPECT_EQ(refused->status().code(), StatusCode::kNotFound) << refused->status().ToString();
-}
-
-// TryPush (a server's pushes on its transport's completion thread), through
-// PushLanding as the server's frame channel calls it: a small job's pushes,
-// step decisions and updates (three servers, replicated) happen inside the
-// call, only the sends to backups are left in `then`, and the result is bit
-// for bit that of Push. A server holding more than kInlinePushBytes takes
-// the pushes in and answers them, but leaves the step's update in `then`.
-// (It also declines, or defers, while another thread holds a lock, which a
-// test cannot hold still.)
-TEST_F(PsCoreTest, TryPushAnswersAsPushDoes) {
-  TryPushSteps(Job(), 3, /*applied_inline=*/true, /*deferred_per_step=*/1);
-}
-
-// Partitions of at most kInlineFinishBytes on a server larger than
-// kInlinePushBytes: the step's update is left by the push that completes it.
-TEST_F(PsCoreTest, TryPushLeavesALargeServersUpdateForLater) {
-  Job large;
-  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float);
-  large.params = large.partition * 6;
-  ASSERT_GT(large.params * sizeof(float), ParameterStore::kInlinePushBytes);
-  large.initial.resize(large.params, 0.5f);
-  TryPushSteps(large, 1, /*applied_inline=*/false, /*deferred_per_step=*/1);
-}
-
-// Partitions larger than kInlineFinishBytes: every push that completes its
-// partition leaves the rest (scan, decision, update) for later.
-TEST_F(PsCoreTest, TryPushLeavesTheStepOfALargePushForLater) {
-  Job large;
-  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
-  large.params = large.partition * 3;
-  large.initial.resize(large.params, 0.5f);
-  TryPushSteps(large, 1, /*applied_inline=*/false, /*deferred_per_step=*/3);
-}
-
 // A push that completes a step is acknowledged before the step's scan and
 // update run (they follow on the same thread): a worker's push does not
 // wait for the optimizer.
@@ -642,61 +518,22 @@ TEST_F(PsCoreTest, APushThatCompletesTheStepIsAnsweredBeforeTheUpdate) {
   ExpectOneStepReference(job, PullAll(1));
 }
 
-// A push larger than kInlineFinishBytes taken in by TryPush is answered
-// there and leaves the whole step (scan, decision, update) in `then`. A new
-// epoch before `then` runs drops the step's unfinished aggregation; `then`
-// then does nothing, and the step pushed again in the new epoch is applied
-// once, as if the first epoch had never seen it.
-TEST_F(PsCoreTest, ALargeInlinePushLeavesTheStepForLaterAndANewEpochDropsIt) {
-  Job large;
-  large.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
-  large.params = large.partition * 3;
-  large.initial.resize(large.params, 0.5f);
-  Start(1, large);
-  Landings landings(*this);
+// The scans of a step's partitions wait until every partition here has the
+// step: no update is applied before the last partition's last push, and
+// then all of them are.
+TEST_F(PsCoreTest, TheLastPartitionsPushReleasesTheScansOfTheOthers) {
+  Job job;
+  job.partition = 128 * 1024;
+  job.params = job.partition * 2 + 1000;  // a small last partition
+  job.initial.resize(job.params, 0.5f);
+  Start(1, job);
   ParameterStore& store = PrimaryOf(0);
-  std::vector<ParameterStore::Then> left;
-  for (uint32_t p = 0; p < Partitions(); ++p) {
-    left.push_back(landings.TryPushOnly(p, 1));
-    ASSERT_TRUE(left.back()) << "partition " << p;
-  }
-  // The first two partitions finish; the last one's rest is still pending
-  // when the epoch changes.
-  left[0]();
-  left[1]();
-  EXPECT_EQ(store.counters().updates.load(), 0u);
-  SetEpoch(2);
-  left[2]();
-  EXPECT_EQ(store.counters().updates.load(), 0u);
-  EXPECT_EQ(store.Stats({2}).partitions(0).step(), 0u);
-  // The step again, in the new epoch.
+  ASSERT_EQ(Partitions(), 3u);
   for (uint32_t p = 0; p < Partitions(); ++p) {
     auto [b, e] = Range(p);
     auto a = Push(store, epoch_, 1, p, 0, 1, Grad(1, 0, b, e));
     ASSERT_TRUE(a->done);
     EXPECT_TRUE(a->status().ok()) << a->status().ToString();
-  }
-  EXPECT_EQ(store.counters().updates.load(), Partitions());
-  ExpectOneStepReference(large, PullAll(1));
-}
-
-// The scans of a step's large partitions wait until every partition here
-// has the step. When the last one is small enough to be finished on the
-// completion thread, the scans it releases are left in its `then`, and the
-// step is applied once that runs.
-TEST_F(PsCoreTest, ASmallLastPartitionReleasesTheScansOfTheLargeOnes) {
-  Job job;
-  job.partition = ParameterStore::kInlineFinishBytes / sizeof(float) * 2;
-  job.params = job.partition * 2 + 1000;  // a small last partition
-  job.initial.resize(job.params, 0.5f);
-  Start(1, job);
-  Landings landings(*this);
-  ParameterStore& store = PrimaryOf(0);
-  ASSERT_EQ(Partitions(), 3u);
-  for (uint32_t p = 0; p < Partitions(); ++p) {
-    ParameterStore::Then then = landings.TryPushOnly(p, 1);
-    ASSERT_TRUE(then) << "partition " << p;
-    then();
     EXPECT_EQ(store.counters().updates.load(), p + 1 < Partitions() ? 0u : Partitions()) << "partition " << p;
   }
   ExpectOneStepReference(job, PullAll(1));
@@ -723,7 +560,9 @@ TEST_F(PsCoreTest, PushesLandedInStoreBuffersEqualCopiedPushesBitForBit) {
         void* into = landings.Receive(p, peer, h, grad);
         ASSERT_NE(into, nullptr);
         auto a = std::make_shared<Answer>();
-        landing_of(p).Push(peer, 1, h, into, Into(a));
+        std::shared_ptr<std::vector<float>> landed = landing_of(p).Take(peer, into);
+        ASSERT_NE(landed, nullptr);
+        PrimaryOf(p).Push(1, h, std::move(landed), Into(a));
         ASSERT_TRUE(a->done);
         ASSERT_TRUE(a->status().ok()) << a->status().ToString();
       }
