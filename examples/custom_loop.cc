@@ -1,5 +1,7 @@
 // A training loop of one's own on Tandem: linear regression fitted by
 // data-parallel SGD through the worker runtime (worker/include/tandem/worker.h).
+// It uses the public API only: examples/CMakeLists.txt builds it in the tree
+// or, configured on its own, against an installed Tandem (find_package).
 //
 // Every process that runs this is a tandem-worker: start a coordinator, then
 // two or more of these, for example
@@ -13,11 +15,12 @@
 // In hybrid or ps mode, give the coordinator parameter servers and
 // --job-parameter-count 17 (the model's size). Global rank 0 logs the loss;
 // the fitted weights approach the true ones (w_j = j / 8, b = 0.5).
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "tandem/worker.h"
 
@@ -43,24 +46,16 @@ float Target(uint64_t i) {
 tandem::Status Fit(tandem::WorkerContext& ctx) {
   std::vector<float> params(kDim + 1, 0.0f);
   std::vector<float> grads(kDim + 1, 0.0f);
-  std::vector<tandem::v1::TensorSpec> tensors(2);
-  tensors[0].set_name("weight");
-  tensors[0].set_dtype(tandem::v1::DTYPE_FLOAT32);
-  tensors[0].add_shape(kDim);
-  tensors[0].set_flat_offset(0);
-  tensors[1].set_name("bias");
-  tensors[1].set_dtype(tandem::v1::DTYPE_FLOAT32);
-  tensors[1].add_shape(1);
-  tensors[1].set_flat_offset(kDim);
-  tensors[1].set_group("no_decay");
+  std::vector<tandem::TensorSpec> tensors = {
+      {.name = "weight", .shape = {kDim}, .flat_offset = 0, .group = ""},
+      {.name = "bias", .shape = {1}, .flat_offset = kDim, .group = "no_decay"},
+  };
 
   auto options = tandem::RuntimeOptionsOf(ctx.train);
   if (!options.ok()) return options.status();
   // Plain SGD for this model, whatever the reference trainer's defaults are.
-  options->optimizer.Clear();
-  options->optimizer.mutable_sgd()->set_lr(0.1);
-  options->optimizer.set_reduction(tandem::v1::GRADIENT_REDUCTION_SUM);
-  tandem::Runtime runtime(*options, ctx.data_plane);
+  options->UseSgd(0.1);
+  tandem::Runtime runtime(*options, ctx);
   TANDEM_RETURN_IF_ERROR(runtime.Attach(params, grads, tensors));
 
   const uint64_t steps = ctx.train.steps > 0 ? static_cast<uint64_t>(ctx.train.steps) : 100;
@@ -92,12 +87,16 @@ tandem::Status Fit(tandem::WorkerContext& ctx) {
     }
     auto done = runtime.EndStep(loss, end - begin, 0);
     if (!done.ok()) {
-      spdlog::warn("step {} failed, retrying after a resync: {}", plan->step, done.status().ToString());
+      tandem::Log(tandem::LogLevel::kWarning, "step " + std::to_string(plan->step) +
+                                                  " failed, retrying after a resync: " + done.status().ToString());
       continue;
     }
     if (plan->rank == 0 && (done->step % 10 == 0 || done->step == steps)) {
-      spdlog::info("step {}: loss {:.6f} ({} workers); w[15] = {:.4f} (true 1.875), b = {:.4f} (true 0.5)", done->step,
-                   done->loss, plan->world_size, params[15], params[kDim]);
+      char line[160];
+      std::snprintf(
+          line, sizeof line, "step %llu: loss %.6f (%u workers); w[15] = %.4f (true 1.875), b = %.4f (true 0.5)",
+          static_cast<unsigned long long>(done->step), done->loss, plan->world_size, params[15], params[kDim]);
+      tandem::Log(tandem::LogLevel::kInfo, line);
     }
   }
   return tandem::Status::Ok();

@@ -9,7 +9,6 @@
 #include "common/cpus.h"
 #include "common/member_daemon.h"
 #include "common/transport/ucx_transport.h"
-#include "tandem/worker.h"
 #include "worker/data_plane.h"
 #include "worker/nccl/gpu_info.h"
 
@@ -123,11 +122,3 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
 }
 
 }  // namespace tandem::worker
-
-namespace tandem {
-
-int RunWorker(int argc, char** argv, TrainingLoop loop) {
-  return RunDaemon(argc, argv, worker::MakeDaemonSpec(std::move(loop)));
-}
-
-}  // namespace tandem
