@@ -102,6 +102,10 @@
 // Create fails with FAILED_PRECONDITION, naming why, when the build has no
 // CUDA or the device cannot be used.
 //
+// The configuration, the tensor table and its splits, and the initial values
+// are in layout.h; the CPU kernels (and SetBlasThreads) in kernels.h; both
+// are included here.
+//
 // Thread safety: a Model is a value with no shared state; one thread at a
 // time may use it. SetBlasThreads is process-wide.
 #pragma once
@@ -120,156 +124,15 @@
 #include "common/status.h"
 #include "tandem/v1/types.pb.h"
 #include "worker/model/gpu_engine.h"
+#include "worker/model/kernels.h"
+#include "worker/model/layout.h"
 
 namespace tandem::model {
-
-struct ModelConfig {
-  int vocab = 256;       // byte-level: tokens are bytes, so at most 256
-  int context = 64;      // T: positions per sequence
-  int d_model = 128;     // C: width of the residual stream
-  int heads = 4;         // attention heads; must divide d_model
-  int layers = 4;        // transformer blocks
-  int mlp_ratio = 4;     // hidden width of the MLP is mlp_ratio · d_model
-  uint64_t seed = 1;     // initialisation seed
-  int blas_threads = 1;  // applied by Model::Create; 0 leaves the BLAS setting alone
-  // Recompute each block's internal activations in Backward instead of
-  // keeping them from Forward (see the top of this file).
-  bool activation_checkpointing = false;
-  // Pipeline parallelism: this model is stage pipeline_stage of
-  // pipeline_stages (see the top of this file); 1 stage is the whole model.
-  int pipeline_stages = 1;
-  int pipeline_stage = 0;
-  // Tensor parallelism: this model is rank tensor_rank of tensor_parallel
-  // (see the top of this file); 1 rank is the whole model.
-  int tensor_parallel = 1;
-  int tensor_rank = 0;
-  // Where forward and backward run: -1 on the CPU, else on this CUDA device
-  // (see "GPU" at the top of this file).
-  int gpu = -1;
-
-  // OK, or INVALID_ARGUMENT naming the field and the rule it breaks.
-  Status Validate() const;
-};
-
-// Which blocks and which part of the flat buffer one pipeline stage holds
-// (the flat space of the configuration's tensor rank).
-struct StagePlan {
-  int first_block = 0;  // blocks [first_block, end_block)
-  int end_block = 0;
-  bool embeddings = false;  // wte and wpe (stage 0)
-  bool head = false;        // ln_f and head (the last stage)
-  size_t flat_begin = 0;    // parameters [flat_begin, flat_end) of the whole model
-  size_t flat_end = 0;
-  double cost = 0;  // relative compute cost (forward multiply-adds per token)
-};
-
-// Every stage of config.pipeline_stages, in order: contiguous runs of blocks
-// (at least one each) chosen so that the largest stage cost (blocks plus the
-// embeddings on the first stage and the head on the last) is as small as
-// possible. REQUIRES: config.Validate().ok()
-std::vector<StagePlan> PlanStages(const ModelConfig& config);
-
-// One tensor of the flat parameter buffer.
-struct TensorInfo {
-  std::string name;            // "blocks.3.attn.qkv.weight"
-  std::vector<int64_t> shape;  // outermost first (a tensor-parallel rank's slice)
-  size_t offset = 0;           // first element in the flat buffer
-  size_t size = 0;             // elements
-  bool no_decay = false;       // biases, LayerNorm parameters, embeddings
-  // Which elements of the whole model's tensor these are, the whole tensor
-  // seen as [rows, whole_cols] (a vector as [n, 1]): the rows of `rows`
-  // (ranges, concatenated in order) and of each the columns [col_begin,
-  // col_end). All of it (replicated) without tensor parallelism.
-  size_t whole_offset = 0;  // the whole tensor's first element in the whole model
-  size_t whole_size = 0;
-  int64_t whole_cols = 1;
-  std::vector<std::pair<int64_t, int64_t>> rows;
-  int64_t col_begin = 0;
-  int64_t col_end = 1;
-  bool replicated = true;
-  // In ServerLayout, a replicated tensor's copy on a tensor rank above 0:
-  // group "tp_copy", whose gradients do not count in the global gradient
-  // norm again (the runtime configures the group: kTensorParallelCopyGroup
-  // in worker/runtime/runtime.h).
-  bool copy = false;
-};
-
-// The tensor table of a configuration's tensor rank (the whole model's
-// without tensor parallelism), in its flat-buffer order (see the .cc file
-// for the order). REQUIRES: config.Validate().ok()
-std::vector<TensorInfo> TensorLayout(const ModelConfig& config);
-
-// The element of the whole model's flat buffer that element i (< t.size)
-// of a tensor-parallel rank's tensor t holds (TensorInfo's rows and columns).
-size_t WholeElement(const TensorInfo& t, size_t i);
-
-// max |a[i] - b[i]| over max |b[i]| (over max 1 when b is all zeros): how far
-// a (the GPU's values, say) is from b (the CPU's), relative to b's scale.
-// REQUIRES: a.size() >= b.size()
-double RelativeDifference(std::span<const float> a, std::span<const float> b);
-
-// What the parameter servers hold: every (pipeline stage, tensor rank) part
-// of the configuration's split, part stage·tensor_parallel + rank after
-// part, offsets in that space, names with "@tp<rank>" when tensor_parallel
-// > 1. The same as TensorLayout without tensor parallelism.
-std::vector<TensorInfo> ServerLayout(const ModelConfig& config);
-// Where each part begins in ServerLayout's space, and the end (parts + 1
-// ascending offsets).
-std::vector<size_t> PartBounds(const ModelConfig& config);
-
-// Writes the whole model's parameters of pipeline stage `stage` (the tensors
-// of its blocks, and the embeddings or the head where it has them), in the
-// whole model's flat order and tensor by tensor, from the stage's
-// tensor-parallel parts: parts[r] is rank r's part (ServerLayout's elements
-// of part stage·T + r). Replicated tensors come from rank 0's part.
-Status WriteWholeStage(const ModelConfig& config, int stage, const std::vector<std::span<const float>>& parts,
-                       const std::function<Status(std::span<const float>)>& write);
-
-// The table the parameter servers hold for the tensors that start in
-// [begin, end) of a layout (names, shapes, DTYPE_FLOAT32, group "tp_copy"
-// where TensorInfo::copy, else "no_decay" where TensorInfo::no_decay),
-// flat_offset relative to `begin`.
-std::vector<v1::TensorSpec> TensorSpecs(const std::vector<TensorInfo>& layout, size_t begin, size_t end);
-
-// The initial values of ServerLayout's flat elements [begin, end) into
-// out[0, end - begin): what Model::Create gives those elements, whatever
-// stage and rank hold them (the whole model's values, sliced). Costs one
-// random draw per weight before `end` (before the end of the tensors
-// involved, once per part, with tensor parallelism).
-// REQUIRES: config.Validate().ok(), begin <= end <= the parameter count.
-void InitialValues(const ModelConfig& config, size_t begin, size_t end, float* out);
-
-// The same for many ranges: ranges in ascending order continue the random
-// stream where the last one ended (a range before the last one starts it
-// again), so filling a model range by range costs about one pass.
-class Normal;
-class InitialValueStream {
- public:
-  explicit InitialValueStream(const ModelConfig& config);  // REQUIRES: config.Validate().ok()
-  ~InitialValueStream();
-  void Fill(size_t begin, size_t end, float* out);
-
- private:
-  ModelConfig config_;
-  std::vector<TensorInfo> layout_;
-  std::unique_ptr<Normal> normal_;
-  size_t position_ = 0;  // the next element the stream gives
-  size_t tensor_ = 0;    // the tensor holding it
-  // Tensor parallelism: the whole model's stream, and the last whole tensor
-  // it gave (the slices of the parts are cut from it).
-  std::unique_ptr<InitialValueStream> whole_;
-  std::vector<float> cached_;
-  size_t cached_offset_ = SIZE_MAX;
-};
 
 // The all-reduce of a tensor-parallel model (Model::SetTensorParallel):
 // every rank of the tp group reduces data[0, count) in place, elementwise.
 enum class TpReduce { kSum, kMax };
 using TpAllReduce = std::function<Status(float* data, size_t count, TpReduce op)>;
-
-// Sets the number of threads the BLAS library uses, process-wide. A no-op
-// when the BLAS found at build time has no such setting (not OpenBLAS).
-void SetBlasThreads(int threads);
 
 // A range [first, second) of a model's params() (stage-relative elements).
 using FlatRange = std::pair<size_t, size_t>;
