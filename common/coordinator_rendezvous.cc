@@ -40,11 +40,11 @@ CoordinatorRendezvous::CoordinatorRendezvous(std::shared_ptr<grpc::Channel> chan
     : stub_(v1::Coordinator::NewStub(std::move(channel))), options_(std::move(options)) {}
 
 void CoordinatorRendezvous::Cancel(const std::string& reason) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   cancelled_ = reason.empty() ? "cancelled" : reason;
   cancelled_flag_ = true;
   if (current_ != nullptr) current_->TryCancel();
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 void CoordinatorRendezvous::CancelIfSuperseded(uint64_t latest) {
@@ -54,7 +54,7 @@ void CoordinatorRendezvous::CancelIfSuperseded(uint64_t latest) {
 }
 
 Status CoordinatorRendezvous::Track(grpc::ClientContext* ctx) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   current_ = ctx;
   if (!cancelled_.empty()) {
     current_ = nullptr;
@@ -64,8 +64,8 @@ Status CoordinatorRendezvous::Track(grpc::ClientContext* ctx) {
 }
 
 Status CoordinatorRendezvous::Pause(steady_clock_duration pause) {
-  std::unique_lock lock(mu_);
-  cv_.wait_for(lock, pause, [&] { return !cancelled_.empty(); });
+  MutexLock lock(&mu_);
+  cv_.WaitFor(lock, pause, [&]() TANDEM_REQUIRES(mu_) { return !cancelled_.empty(); });
   if (!cancelled_.empty()) return Cancelled("rendezvous of epoch {}: {}", options_.epoch, cancelled_);
   return Status::Ok();
 }

@@ -30,14 +30,13 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/mutex.h"
 #include "common/rendezvous.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
@@ -69,7 +68,7 @@ class CoordinatorRendezvous : public Rendezvous {
 
   // Fails the calls in progress and every later one with CANCELLED and
   // `reason`.
-  void Cancel(const std::string& reason);
+  void Cancel(const std::string& reason) TANDEM_EXCLUDES(mu_);
   // Cancels when this rendezvous's epoch is older than `latest` (the build
   // it serves is for a superseded epoch).
   void CancelIfSuperseded(uint64_t latest);
@@ -84,14 +83,14 @@ class CoordinatorRendezvous : public Rendezvous {
   const CoordinatorRendezvousOptions options_;
   std::atomic<uint64_t> polls_{0};
   // Registers the call about to be made (null: it is done); an error once cancelled.
-  Status Track(grpc::ClientContext* ctx);
+  Status Track(grpc::ClientContext* ctx) TANDEM_EXCLUDES(mu_);
   // Sleeps for `pause` unless cancelled meanwhile; an error once cancelled.
-  Status Pause(steady_clock_duration pause);
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::string cancelled_;  // the reason; empty: not cancelled
+  Status Pause(steady_clock_duration pause) TANDEM_EXCLUDES(mu_);
+  Mutex mu_;
+  CondVar cv_;
+  std::string cancelled_ TANDEM_GUARDED_BY(mu_);  // the reason; empty: not cancelled
   std::atomic<bool> cancelled_flag_{false};
-  grpc::ClientContext* current_ = nullptr;
+  grpc::ClientContext* current_ TANDEM_GUARDED_BY(mu_) = nullptr;
 };
 
 }  // namespace tandem::comm

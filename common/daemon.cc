@@ -105,7 +105,7 @@ const std::string& Daemon::metrics_address() const {
 void Daemon::RequestShutdown(Status failure) {
   std::function<void()> handler;
   {
-    std::lock_guard lock(shutdown_mu_);
+    MutexLock lock(&shutdown_mu_);
     if (!failure.ok() && failure_.ok()) failure_ = std::move(failure);
     handler = shutdown_handler_;
   }
@@ -113,12 +113,12 @@ void Daemon::RequestShutdown(Status failure) {
 }
 
 Status Daemon::failure() const {
-  std::lock_guard lock(shutdown_mu_);
+  MutexLock lock(&shutdown_mu_);
   return failure_;
 }
 
 void Daemon::SetShutdownHandler(std::function<void()> handler) {
-  std::lock_guard lock(shutdown_mu_);
+  MutexLock lock(&shutdown_mu_);
   shutdown_handler_ = std::move(handler);
 }
 

@@ -18,7 +18,6 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -27,6 +26,7 @@
 #include "common/config.h"
 #include "common/grpc_util.h"
 #include "common/metrics.h"
+#include "common/mutex.h"
 #include "common/shutdown.h"
 
 namespace tandem {
@@ -71,10 +71,10 @@ class Daemon {
   // Asks the daemon to shut down as SIGTERM would, from any thread. With a
   // non-OK `failure` (for example a training loop that cannot go on) the
   // daemon logs it and exits 1 after its clean shutdown.
-  void RequestShutdown(Status failure = Status::Ok());
-  Status failure() const;
+  void RequestShutdown(Status failure = Status::Ok()) TANDEM_EXCLUDES(shutdown_mu_);
+  Status failure() const TANDEM_EXCLUDES(shutdown_mu_);
   // RunDaemon's hook that wakes its main thread.
-  void SetShutdownHandler(std::function<void()> handler);
+  void SetShutdownHandler(std::function<void()> handler) TANDEM_EXCLUDES(shutdown_mu_);
 
  private:
   std::string role_;
@@ -84,9 +84,9 @@ class Daemon {
   std::unique_ptr<MetricsServer> metrics_;
   std::unique_ptr<GrpcServer> grpc_;
   std::atomic<bool> ready_{false};
-  mutable std::mutex shutdown_mu_;
-  Status failure_;
-  std::function<void()> shutdown_handler_;
+  mutable Mutex shutdown_mu_;
+  Status failure_ TANDEM_GUARDED_BY(shutdown_mu_);
+  std::function<void()> shutdown_handler_ TANDEM_GUARDED_BY(shutdown_mu_);
 };
 
 struct DaemonSpec {

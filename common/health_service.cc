@@ -7,24 +7,24 @@ namespace tandem {
 using grpc::health::v1::HealthCheckResponse;
 
 void HealthService::Set(const std::string& service, bool serving) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (shut_down_) return;
   status_[service] = serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
   ++version_;
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 void HealthService::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto& [name, status] : status_) status = HealthCheckResponse::NOT_SERVING;
   shut_down_ = true;
   ++version_;
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 grpc::Status HealthService::Check(grpc::ServerContext* /*context*/, const grpc::health::v1::HealthCheckRequest* request,
                                   HealthCheckResponse* response) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const auto it = status_.find(request->service());
   if (it == status_.end()) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service '" + request->service() + "'");
@@ -35,7 +35,7 @@ grpc::Status HealthService::Check(grpc::ServerContext* /*context*/, const grpc::
 
 grpc::Status HealthService::Watch(grpc::ServerContext* context, const grpc::health::v1::HealthCheckRequest* request,
                                   grpc::ServerWriter<HealthCheckResponse>* writer) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t seen = 0;
   ServingStatus last = HealthCheckResponse::UNKNOWN;
   bool first = true;
@@ -50,9 +50,9 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context, const grpc::heal
       if (first || now != last) {
         HealthCheckResponse response;
         response.set_status(now);
-        lock.unlock();
+        lock.Unlock();
         const bool ok = writer->Write(response);
-        lock.lock();
+        lock.Lock();
         if (!ok) break;
         last = now;
         first = false;
@@ -60,7 +60,7 @@ grpc::Status HealthService::Watch(grpc::ServerContext* context, const grpc::heal
       if (final_status) break;
     }
     // Wake up now and then to notice a cancelled call.
-    changed_.wait_for(lock, std::chrono::milliseconds(200), [&] { return version_ != seen; });
+    changed_.WaitFor(lock, std::chrono::milliseconds(200), [&]() TANDEM_REQUIRES(mu_) { return version_ != seen; });
   }
   return grpc::Status::OK;
 }

@@ -9,11 +9,10 @@
 // Thread safety: thread-safe.
 #pragma once
 
-#include <condition_variable>
 #include <map>
-#include <mutex>
 #include <string>
 
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
@@ -23,9 +22,9 @@ class HealthService final : public grpc::health::v1::Health::Service {
  public:
   using ServingStatus = grpc::health::v1::HealthCheckResponse::ServingStatus;
 
-  void Set(const std::string& service, bool serving);
+  void Set(const std::string& service, bool serving) TANDEM_EXCLUDES(mu_);
   // Reports NOT_SERVING for every name from now on and ends Watch streams.
-  void Shutdown();
+  void Shutdown() TANDEM_EXCLUDES(mu_);
 
   grpc::Status Check(grpc::ServerContext* context, const grpc::health::v1::HealthCheckRequest* request,
                      grpc::health::v1::HealthCheckResponse* response) override;
@@ -33,8 +32,8 @@ class HealthService final : public grpc::health::v1::Health::Service {
                      grpc::ServerWriter<grpc::health::v1::HealthCheckResponse>* writer) override;
 
  private:
-  std::mutex mu_;
-  std::condition_variable changed_;
+  Mutex mu_;
+  CondVar changed_;
   std::map<std::string, ServingStatus> status_ TANDEM_GUARDED_BY(mu_);
   uint64_t version_ TANDEM_GUARDED_BY(mu_) = 0;  // bumped on every change
   bool shut_down_ TANDEM_GUARDED_BY(mu_) = false;

@@ -27,43 +27,43 @@ MemberSession::MemberSession(std::shared_ptr<grpc::Channel> channel, MemberSessi
 
 MemberSession::~MemberSession() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
     if (watch_context_ != nullptr) watch_context_->TryCancel();
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   session_thread_.join();
   heartbeat_thread_.join();
 }
 
 uint64_t MemberSession::member_id() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return member_id_;
 }
 
 uint64_t MemberSession::session_id() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return session_id_;
 }
 
 uint64_t MemberSession::epoch() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_.epoch();
 }
 
 std::optional<v1::RankAssignment> MemberSession::rank() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return rank_;
 }
 
 bool MemberSession::WaitActive(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, timeout, [this] { return active_ || stop_; }) && active_;
+  MutexLock lock(&mu_);
+  return cv_.WaitFor(lock, timeout, [this]() TANDEM_REQUIRES(mu_) { return active_ || stop_; }) && active_;
 }
 
 bool MemberSession::Sleep(std::chrono::milliseconds d) {
-  std::unique_lock<std::mutex> lock(mu_);
-  return !cv_.wait_for(lock, d, [this] { return stop_; });
+  MutexLock lock(&mu_);
+  return !cv_.WaitFor(lock, d, [this]() TANDEM_REQUIRES(mu_) { return stop_; });
 }
 
 void MemberSession::SetConnected(bool connected, const std::string& detail) {
@@ -83,7 +83,7 @@ bool MemberSession::RegisterOnce(std::string* error) {
   request.set_version(TANDEM_VERSION);
   request.set_pid(static_cast<uint32_t>(getpid()));
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!reregister_) {
       request.set_resume_member_id(member_id_);
       request.set_resume_session_id(session_id_);
@@ -97,7 +97,7 @@ bool MemberSession::RegisterOnce(std::string* error) {
     *error = Status::FromGrpc(s).ToString();
     return false;
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const bool resumed = response.resumed();
   if (!resumed) {
     epoch_.Clear();
@@ -121,7 +121,7 @@ void MemberSession::Run() {
   bool registered = false;
   while (true) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
       if (reregister_) registered = false;
     }
@@ -138,7 +138,7 @@ void MemberSession::Run() {
     backoff = options_.retry_min;
     WatchOnce();  // returns when the stream ends
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
     }
     if (!Sleep(options_.retry_min)) return;
@@ -151,7 +151,7 @@ void MemberSession::WatchOnce() {
   grpc::ClientContext ctx;
   v1::WatchMembershipRequest request;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stop_) return;
     request.set_job_id(options_.job_id);
     request.set_member_id(member_id_);
@@ -173,12 +173,12 @@ void MemberSession::WatchOnce() {
       const auto& change = update.state_change();
       bool ack_again = false;
       {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         if (change.epoch() == epoch_.epoch()) {
           epoch_.set_state(change.state());
           if (change.state() == v1::EPOCH_STATE_ACTIVE && in_epoch_) {
             active_ = true;
-            cv_.notify_all();
+            cv_.NotifyAll();
           }
           // A coordinator that restarted while the epoch was pending lost the
           // acknowledgements: acknowledge again.
@@ -191,7 +191,7 @@ void MemberSession::WatchOnce() {
   }
   const grpc::Status s = reader->Finish();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     watch_context_ = nullptr;
     if (stop_ || left_) return;  // leaving: the refusals that follow are expected
     if (Forgotten(s)) reregister_ = true;
@@ -207,7 +207,7 @@ void MemberSession::WatchOnce() {
 void MemberSession::HandleEpoch(const v1::MembershipEpoch& epoch) {
   uint64_t my_id = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     my_id = member_id_;
   }
   const v1::Peer* me = nullptr;
@@ -215,13 +215,13 @@ void MemberSession::HandleEpoch(const v1::MembershipEpoch& epoch) {
     if (p.member_id() == my_id) me = &p;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     epoch_ = epoch;
     in_epoch_ = me != nullptr;
     rank_.reset();
     if (me != nullptr && me->has_rank()) rank_ = me->rank();
     active_ = me != nullptr && epoch.state() == v1::EPOCH_STATE_ACTIVE;
-    if (active_) cv_.notify_all();
+    if (active_) cv_.NotifyAll();
   }
   if (me == nullptr) {
     spdlog::info("epoch {}: this member is on standby", epoch.epoch());
@@ -241,7 +241,7 @@ void MemberSession::HandleEpoch(const v1::MembershipEpoch& epoch) {
 void MemberSession::Ack(uint64_t epoch, const std::string& error) {
   v1::AckEpochRequest request;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (left_) return;  // out of the job: nothing to acknowledge
     request.set_job_id(options_.job_id);
     request.set_member_id(member_id_);
@@ -264,7 +264,7 @@ void MemberSession::HeartbeatLoop() {
     std::chrono::milliseconds interval{1000};
     v1::HeartbeatRequest request;
     {
-      std::unique_lock<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (stop_) return;
       interval = heartbeat_interval_;
       request.set_job_id(options_.job_id);
@@ -300,7 +300,7 @@ void MemberSession::HeartbeatLoop() {
           return;
         }
       } else if (Forgotten(s)) {
-        std::lock_guard<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         // Only if the refusal is about the current session: a heartbeat sent
         // just before a fresh registration must not undo it.
         if (!reregister_ && !left_ && session_id_ == request.session_id()) {
@@ -317,7 +317,7 @@ void MemberSession::HeartbeatLoop() {
 Status MemberSession::Leave(const std::string& message, std::chrono::milliseconds timeout) {
   v1::LeaveRequest request;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (left_) return Status::Ok();
     if (member_id_ == 0) return FailedPrecondition("not registered");
     left_ = true;
@@ -334,11 +334,11 @@ Status MemberSession::Leave(const std::string& message, std::chrono::millisecond
   v1::LeaveResponse response;
   const grpc::Status s = stub_->Leave(&ctx, request, &response);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
     if (watch_context_ != nullptr) watch_context_->TryCancel();
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   return Status::FromGrpc(s);
 }
 

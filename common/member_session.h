@@ -15,10 +15,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -26,6 +24,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
@@ -108,8 +107,8 @@ class MemberSession {
   std::unique_ptr<v1::Coordinator::Stub> stub_;
   const MemberSessionOptions options_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable Mutex mu_;
+  CondVar cv_;
   bool stop_ TANDEM_GUARDED_BY(mu_) = false;
   uint64_t member_id_ TANDEM_GUARDED_BY(mu_) = 0;
   uint64_t session_id_ TANDEM_GUARDED_BY(mu_) = 0;

@@ -76,17 +76,17 @@ Result<std::string> FileRendezvous::Get(const std::string& key, std::chrono::mil
 
 Status MemoryRendezvous::Put(const std::string& key, const std::string& value) {
   TANDEM_RETURN_IF_ERROR(CheckKey(key));
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto [it, inserted] = values_.emplace(key, value);
   if (!inserted && it->second != value) return AlreadyExists("rendezvous key {} already holds another value", key);
-  cv_.notify_all();
+  cv_.NotifyAll();
   return Status::Ok();
 }
 
 Result<std::string> MemoryRendezvous::Get(const std::string& key, std::chrono::milliseconds timeout) {
   TANDEM_RETURN_IF_ERROR(CheckKey(key));
-  std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [&] { return values_.count(key) > 0; })) {
+  MutexLock lock(&mu_);
+  if (!cv_.WaitFor(lock, timeout, [&]() TANDEM_REQUIRES(mu_) { return values_.count(key) > 0; })) {
     return DeadlineExceeded("rendezvous key {} did not appear within {} ms", key, timeout.count());
   }
   return values_.at(key);

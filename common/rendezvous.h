@@ -11,12 +11,11 @@
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 
@@ -57,8 +56,8 @@ class MemoryRendezvous : public Rendezvous {
   Result<std::string> Get(const std::string& key, std::chrono::milliseconds timeout) override;
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
   std::map<std::string, std::string> values_ TANDEM_GUARDED_BY(mu_);
 };
 

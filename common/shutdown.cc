@@ -60,7 +60,7 @@ void ShutdownSignal::Watch() {
     int sig = sigtimedwait(&set, nullptr, &tick);
     if (sig <= 0) sig = g_caught.exchange(0);
     if (sig <= 0) continue;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (requested_) {
       spdlog::warn("second {} while shutting down: exiting now", sig == SIGINT ? "SIGINT" : "SIGTERM");
       spdlog::default_logger()->flush();
@@ -69,30 +69,30 @@ void ShutdownSignal::Watch() {
     spdlog::info("received {}: shutting down", sig == SIGINT ? "SIGINT" : "SIGTERM");
     requested_ = true;
     signal_ = sig;
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 }
 
 int ShutdownSignal::Wait() {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [this] { return requested_; });
+  MutexLock lock(&mu_);
+  cv_.Wait(lock, [this]() TANDEM_REQUIRES(mu_) { return requested_; });
   return signal_;
 }
 
 int ShutdownSignal::WaitFor(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (!cv_.wait_for(lock, timeout, [this] { return requested_; })) return -1;
+  MutexLock lock(&mu_);
+  if (!cv_.WaitFor(lock, timeout, [this]() TANDEM_REQUIRES(mu_) { return requested_; })) return -1;
   return signal_;
 }
 
 void ShutdownSignal::RequestShutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   requested_ = true;
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 bool ShutdownSignal::requested() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return requested_;
 }
 

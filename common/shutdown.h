@@ -14,10 +14,9 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
-#include <mutex>
 #include <thread>
 
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 
 namespace tandem {
@@ -40,8 +39,8 @@ class ShutdownSignal {
  private:
   void Watch();
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable Mutex mu_;
+  CondVar cv_;
   bool requested_ TANDEM_GUARDED_BY(mu_) = false;
   int signal_ TANDEM_GUARDED_BY(mu_) = 0;
   std::atomic<bool> stop_{false};

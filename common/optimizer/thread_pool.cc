@@ -32,11 +32,11 @@ ThreadPool::ThreadPool(int threads, std::chrono::microseconds spin) : size_(std:
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     stop_ = true;
     wake_.store(true, std::memory_order_relaxed);
   }
-  work_cv_.notify_all();
+  work_cv_.NotifyAll();
   for (std::thread& t : threads_) t.join();
 }
 
@@ -54,10 +54,10 @@ void ThreadPool::ParallelFor(size_t n, size_t grain, const std::function<void(si
     return;
   }
   Job job{&fn, n, chunk, (n + chunk - 1) / chunk, 0, 0};
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   queue_.push_back(&job);
   wake_.store(true, std::memory_order_relaxed);
-  work_cv_.notify_all();
+  work_cv_.NotifyAll();
   // Work on this call's chunks while any is unclaimed (other callers' jobs
   // are left to the pool threads, so this call returns as soon as it can).
   while (job.next < job.chunks) {
@@ -66,19 +66,19 @@ void ThreadPool::ParallelFor(size_t n, size_t grain, const std::function<void(si
       queue_.erase(std::find(queue_.begin(), queue_.end(), &job));
       wake_.store(!queue_.empty() || stop_, std::memory_order_relaxed);
     }
-    lock.unlock();
+    lock.Unlock();
     fn(index * chunk, std::min(n, (index + 1) * chunk));
-    lock.lock();
+    lock.Lock();
     job.done.fetch_add(1);
   }
   // Pool threads count their chunks done under mu_ and never touch the job
   // after that, so once done == chunks the job may leave this stack frame.
   if (job.done.load() != job.chunks && spin_.count() > 0) {
-    lock.unlock();
+    lock.Unlock();
     Spin([&] { return job.done.load() == job.chunks; });
-    lock.lock();
+    lock.Lock();
   }
-  done_cv_.wait(lock, [&] { return job.done.load() == job.chunks; });
+  done_cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return job.done.load() == job.chunks; });
 }
 
 template <typename Ready>
@@ -100,27 +100,27 @@ ThreadPool::Job* ThreadPool::Claim(size_t* index) {
 }
 
 void ThreadPool::WorkerLoop() {
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   while (true) {
     if (!stop_ && queue_.empty() && spin_.count() > 0) {
       // Spin a while before sleeping (see the header); wake_ is only a hint,
       // the queue is checked under the lock.
-      lock.unlock();
+      lock.Unlock();
       Spin([&] { return wake_.load(std::memory_order_relaxed); });
-      lock.lock();
+      lock.Lock();
     }
-    work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    work_cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return stop_ || !queue_.empty(); });
     if (stop_) return;
     size_t index = 0;
     Job* job = Claim(&index);
-    lock.unlock();
+    lock.Unlock();
     (*job->fn)(index * job->chunk, std::min(job->n, (index + 1) * job->chunk));
-    lock.lock();
+    lock.Lock();
     // The last access to `job`: once done == chunks the caller may return
     // and the job be gone (done_cv_ is the pool's). Notified under the lock,
     // so a caller about to wait cannot miss it.
     const size_t chunks = job->chunks;
-    if (job->done.fetch_add(1) + 1 == chunks) done_cv_.notify_all();
+    if (job->done.fetch_add(1) + 1 == chunks) done_cv_.NotifyAll();
   }
 }
 

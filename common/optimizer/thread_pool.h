@@ -30,14 +30,13 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstddef>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 
 namespace tandem::optim {
@@ -85,11 +84,11 @@ class ThreadPool {
 
   const int size_;
   const std::chrono::microseconds spin_;
-  std::mutex mu_;
+  Mutex mu_;
   // !queue_.empty() || stop_, readable without mu_: what spinning threads watch.
   std::atomic<bool> wake_{false};
-  std::condition_variable work_cv_;                // queue_ became non-empty, or stop_
-  std::condition_variable done_cv_;                // some job's last chunk finished
+  CondVar work_cv_;                                // queue_ became non-empty, or stop_
+  CondVar done_cv_;                                // some job's last chunk finished
   std::deque<Job*> queue_ TANDEM_GUARDED_BY(mu_);  // jobs with unclaimed chunks
   bool stop_ TANDEM_GUARDED_BY(mu_) = false;
   std::vector<std::thread> threads_;

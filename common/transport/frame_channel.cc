@@ -49,7 +49,7 @@ FrameChannel::FrameChannel(Transport* transport, std::vector<int> peers, Handler
 }
 
 void FrameChannel::Start() {
-  std::lock_guard stop_lock(stop_mu_);
+  MutexLock stop_lock(&stop_mu_);
   if (started_ || stopped_) return;
   started_ = true;
   for (auto& peer : peers_) {
@@ -57,7 +57,7 @@ void FrameChannel::Start() {
     p->receiver = std::thread([this, p] { ReceiveLoop(p); });
     std::unique_ptr<Request> old;
     {
-      std::lock_guard lock(p->mu);
+      MutexLock lock(&p->mu);
       old = PostHeaderLocked(p);
     }
   }
@@ -76,7 +76,7 @@ FrameChannel::Peer* FrameChannel::Find(int rank) const {
 Status FrameChannel::PeerStatus(int rank) const {
   Peer* peer = Find(rank);
   if (peer == nullptr) return InvalidArgument("rank {} is not a peer of this channel", rank);
-  std::lock_guard lock(peer->mu);
+  MutexLock lock(&peer->mu);
   return peer->failed;
 }
 
@@ -96,7 +96,7 @@ void FrameChannel::Send(int rank, ps::Frame header, const void* payload, size_t 
   if (peer == nullptr) {
     refused = InvalidArgument("rank {} is not a peer of this channel", rank);
   } else {
-    std::lock_guard lock(peer->mu);
+    MutexLock lock(&peer->mu);
     if (stopping_.load()) {
       refused = Cancelled("the channel is stopping");
     } else if (!peer->failed.ok()) {
@@ -125,7 +125,7 @@ void FrameChannel::Send(int rank, ps::Frame header, const void* payload, size_t 
 void FrameChannel::OnSent(Peer* peer, uint64_t id, Outgoing& out, const Status& status) {
   Status result;
   {
-    std::lock_guard lock(out.mu);
+    MutexLock lock(&out.mu);
     if (!status.ok() && out.status.ok()) out.status = status;
     if (out.left.fetch_sub(1) != 1) return;
     result = out.status;
@@ -137,7 +137,7 @@ void FrameChannel::OnSent(Peer* peer, uint64_t id, Outgoing& out, const Status& 
   if (!result.ok() && result.code() != StatusCode::kCancelled) Fail(peer, result);
   // Only now: Stop waits for the frames it finds here, and so for this
   // completion, `done` included.
-  std::lock_guard lock(peer->mu);
+  MutexLock lock(&peer->mu);
   peer->sending.erase(id);
 }
 
@@ -174,7 +174,7 @@ void FrameChannel::OnHeader(Peer* peer, const Status& status) {
   }
   peer->payload = payload;
   std::unique_ptr<Request> old;  // this header's receive: it does not wait for its own completion
-  std::lock_guard lock(peer->mu);
+  MutexLock lock(&peer->mu);
   if (stopping_.load() || !peer->failed.ok()) return;
   old = std::move(peer->recv);
   peer->recv = transport_->RecvAsync(peer->rank, ps::kPayloadTag, payload, header.payload_bytes,
@@ -193,35 +193,37 @@ void FrameChannel::Deliver(Peer* peer) {
   if (!handled) then = nullptr;  // declined: the whole frame goes to on_frame
   if (handled && !then) {
     std::unique_ptr<Request> old;
-    std::lock_guard lock(peer->mu);
+    MutexLock lock(&peer->mu);
     old = PostHeaderLocked(peer);
     return;
   }
   {
-    std::lock_guard lock(peer->mu);
+    MutexLock lock(&peer->mu);
     peer->frame_ready = true;
     peer->then = std::move(then);
   }
   // The last thing this completion does: the receiver thread may replace
   // (and so drop) its request at once.
-  peer->cv.notify_one();
+  peer->cv.NotifyOne();
 }
 
 void FrameChannel::Fail(Peer* peer, const Status& status) {
   {
-    std::lock_guard lock(peer->mu);
+    MutexLock lock(&peer->mu);
     if (!peer->failed.ok()) return;
     peer->failed = status;
     peer->failure_pending = true;
   }
-  peer->cv.notify_one();
+  peer->cv.NotifyOne();
 }
 
 void FrameChannel::ReceiveLoop(Peer* peer) {
-  std::unique_lock lock(peer->mu);
+  MutexLock lock(&peer->mu);
   bool failed = false;  // on_peer_failed was called
   for (;;) {
-    peer->cv.wait(lock, [&] { return stopping_.load() || peer->frame_ready || peer->failure_pending; });
+    peer->cv.Wait(lock, [&]() TANDEM_REQUIRES(peer->mu) {
+      return stopping_.load() || peer->frame_ready || peer->failure_pending;
+    });
     // A frame handled inline has its rest run even when stopping, or after
     // the peer failed (a payload that completed just as it did).
     if (stopping_.load() && !(peer->frame_ready && peer->then)) return;
@@ -230,7 +232,7 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
       Then then = std::move(peer->then);
       peer->then = nullptr;
       if (failed && !then) continue;  // nothing more is handled from a failed peer
-      lock.unlock();
+      lock.Unlock();
       if (then) {
         // The frame's replies, sent on the completion thread, go out first.
         transport_->WaitPosted();
@@ -239,11 +241,11 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
       } else {
         handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
       }
-      lock.lock();
+      lock.Lock();
       std::unique_ptr<Request> old = PostHeaderLocked(peer);  // none once stopping
-      lock.unlock();
+      lock.Unlock();
       old.reset();  // the payload's receive: waits (briefly) for its completion to return
-      lock.lock();
+      lock.Lock();
       continue;
     }
     // failure_pending: nothing more is received from this peer. The thread
@@ -251,27 +253,27 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
     peer->failure_pending = false;
     failed = true;
     const Status status = peer->failed;
-    lock.unlock();
+    lock.Unlock();
     if (handler_.on_peer_failed) handler_.on_peer_failed(peer->rank, status);
-    lock.lock();
+    lock.Lock();
   }
 }
 
 void FrameChannel::Stop() {
-  std::lock_guard stop_lock(stop_mu_);
+  MutexLock stop_lock(&stop_mu_);
   if (stopped_) return;
   stopped_ = true;
   for (auto& peer : peers_) {
-    std::lock_guard lock(peer->mu);
+    MutexLock lock(&peer->mu);
     stopping_.store(true);  // under each peer's lock: nothing is posted to it after this
-    peer->cv.notify_all();
+    peer->cv.NotifyAll();
   }
   stopping_.store(true);
   for (auto& peer : peers_) {
     std::unique_ptr<Request> recv;
     std::vector<std::shared_ptr<Outgoing>> sending;
     {
-      std::lock_guard lock(peer->mu);
+      MutexLock lock(&peer->mu);
       recv = std::move(peer->recv);
       for (auto& [id, out] : peer->sending) sending.push_back(out);
     }
@@ -290,7 +292,7 @@ void FrameChannel::Stop() {
   for (auto& peer : peers_) {
     Then then;
     {
-      std::lock_guard lock(peer->mu);
+      MutexLock lock(&peer->mu);
       then = std::move(peer->then);
       peer->then = nullptr;
     }

@@ -45,16 +45,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/ps_protocol.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
@@ -146,13 +145,13 @@ class FrameChannel {
     SendDone done;
     std::shared_ptr<const void> keep;
     std::atomic<int> left{0};  // messages not yet complete
-    std::mutex mu;
+    Mutex mu;
     Status status TANDEM_GUARDED_BY(mu);  // the first failure
   };
   struct Peer {
     int rank = -1;
-    std::mutex mu;
-    std::condition_variable cv;
+    Mutex mu;
+    CondVar cv;
     Status failed TANDEM_GUARDED_BY(mu);
     bool failure_pending TANDEM_GUARDED_BY(mu) = false;   // on_peer_failed is still to be called
     bool frame_ready TANDEM_GUARDED_BY(mu) = false;       // a frame waits for the receiver thread
@@ -187,9 +186,9 @@ class FrameChannel {
   const Handler handler_;
   std::atomic<bool> stopping_{false};
   std::vector<std::unique_ptr<Peer>> peers_;
-  std::mutex stop_mu_;
-  bool started_ = false;
-  bool stopped_ = false;
+  Mutex stop_mu_;
+  bool started_ TANDEM_GUARDED_BY(stop_mu_) = false;
+  bool stopped_ TANDEM_GUARDED_BY(stop_mu_) = false;
 };
 
 }  // namespace tandem::transport

@@ -12,9 +12,9 @@ class LocalRecv final : public Request {
 
   Status Wait(std::chrono::milliseconds timeout) override {
     if (done_) return status_;
-    std::unique_lock<std::mutex> lock(fabric_->mu_);
+    MutexLock lock(&fabric_->mu_);
     auto& box = fabric_->mailboxes_[{peer_, self_, tag_}];
-    const bool ready = fabric_->cv_.wait_for(lock, timeout, [&] {
+    const bool ready = fabric_->cv_.WaitFor(lock, timeout, [&]() TANDEM_REQUIRES(fabric_->mu_) {
       return !box.empty() || fabric_->dead_[static_cast<size_t>(peer_)] || fabric_->dead_[static_cast<size_t>(self_)];
     });
     if (!box.empty()) {
@@ -58,7 +58,7 @@ class LocalAsync final : public Request {
       : fabric_(std::move(fabric)), op_(std::move(op)) {}
   ~LocalAsync() override {
     using State = LocalFabric::Async::State;
-    std::unique_lock<std::mutex> lock(fabric_->mu_);
+    MutexLock lock(&fabric_->mu_);
     if (op_->state == State::kWaiting) {
       auto& waiting = fabric_->waiting_[op_->key];
       std::erase(waiting, op_);
@@ -66,12 +66,13 @@ class LocalAsync final : public Request {
                                           std::get<2>(op_->key), std::get<0>(op_->key)));
     }
     if (std::this_thread::get_id() == fabric_->delivery_.get_id()) return;
-    op_->cv.wait(lock, [&] { return op_->state == State::kDone; });
+    op_->cv.Wait(lock, [&]() TANDEM_REQUIRES(fabric_->mu_) { return op_->state == State::kDone; });
   }
   Status Wait(std::chrono::milliseconds timeout) override {
     using State = LocalFabric::Async::State;
-    std::unique_lock<std::mutex> lock(fabric_->mu_);
-    if (!op_->cv.wait_for(lock, timeout, [&] { return op_->state != State::kWaiting; })) {
+    MutexLock lock(&fabric_->mu_);
+    if (!op_->cv.WaitFor(lock, timeout,
+                         [&]() TANDEM_REQUIRES(fabric_->mu_) { return op_->state != State::kWaiting; })) {
       return DeadlineExceeded("rank {} waited {} ms for rank {} (tag {}, {} bytes)", std::get<1>(op_->key),
                               timeout.count(), std::get<0>(op_->key), std::get<2>(op_->key), op_->bytes);
     }
@@ -91,7 +92,7 @@ class LocalTransport final : public Transport {
 
   std::unique_ptr<Request> Send(int peer, uint64_t tag, const void* data, size_t bytes) override {
     {
-      std::lock_guard<std::mutex> lock(fabric_->mu_);
+      MutexLock lock(&fabric_->mu_);
       if (fabric_->dead_[static_cast<size_t>(peer)]) {
         return Completed(
             Unavailable("rank {} is gone (send of {} bytes with tag {} by rank {})", peer, bytes, tag, rank_));
@@ -100,7 +101,7 @@ class LocalTransport final : public Transport {
       fabric_->mailboxes_[{rank_, peer, tag}].emplace_back(static_cast<const char*>(data), bytes);
       fabric_->MatchLocked({rank_, peer, tag});
     }
-    fabric_->cv_.notify_all();
+    fabric_->cv_.NotifyAll();
     return Completed(Status::Ok());
   }
 
@@ -114,7 +115,7 @@ class LocalTransport final : public Transport {
     op->bytes = bytes;
     op->done = std::move(done);
     {
-      std::lock_guard<std::mutex> lock(fabric_->mu_);
+      MutexLock lock(&fabric_->mu_);
       if (fabric_->dead_[static_cast<size_t>(peer)]) {
         fabric_->QueueLocked(
             op, Unavailable("rank {} is gone (send of {} bytes with tag {} by rank {})", peer, bytes, tag, rank_));
@@ -124,7 +125,7 @@ class LocalTransport final : public Transport {
         fabric_->QueueLocked(op, Status::Ok());
       }
     }
-    fabric_->cv_.notify_all();
+    fabric_->cv_.NotifyAll();
     return std::make_unique<LocalAsync>(fabric_, std::move(op));
   }
 
@@ -135,7 +136,7 @@ class LocalTransport final : public Transport {
     op->bytes = bytes;
     op->done = std::move(done);
     {
-      std::lock_guard<std::mutex> lock(fabric_->mu_);
+      MutexLock lock(&fabric_->mu_);
       fabric_->waiting_[op->key].push_back(op);
       fabric_->MatchLocked(op->key);
       if (op->state == LocalFabric::Async::State::kWaiting &&
@@ -155,10 +156,10 @@ class LocalTransport final : public Transport {
 
 LocalFabric::~LocalFabric() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     stopping_ = true;
   }
-  delivery_cv_.notify_all();
+  delivery_cv_.NotifyAll();
   if (delivery_.joinable()) delivery_.join();
 }
 
@@ -167,8 +168,8 @@ void LocalFabric::QueueLocked(const std::shared_ptr<Async>& op, Status status) {
   op->state = Async::State::kQueued;
   ready_.push_back(op);
   if (!delivery_.joinable()) delivery_ = std::thread([this] { Deliver(); });
-  delivery_cv_.notify_one();
-  op->cv.notify_all();  // Wait returns once the status is known
+  delivery_cv_.NotifyOne();
+  op->cv.NotifyAll();  // Wait returns once the status is known
 }
 
 void LocalFabric::MatchLocked(const Key& key) {
@@ -193,26 +194,26 @@ void LocalFabric::MatchLocked(const Key& key) {
 }
 
 void LocalFabric::Deliver() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (;;) {
-    delivery_cv_.wait(lock, [&] { return stopping_ || !ready_.empty(); });
+    delivery_cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return stopping_ || !ready_.empty(); });
     if (ready_.empty()) return;
     std::shared_ptr<Async> op = std::move(ready_.front());
     ready_.pop_front();
     op->state = Async::State::kRunning;
     auto done = std::move(op->done);
     const Status status = op->status;
-    lock.unlock();
+    lock.Unlock();
     if (done) done(status);
-    lock.lock();
+    lock.Lock();
     op->state = Async::State::kDone;
-    op->cv.notify_all();
+    op->cv.NotifyAll();
     // What the completion holds is released outside the lock (it may drop
     // Requests, which take it).
-    lock.unlock();
+    lock.Unlock();
     done = nullptr;
     op.reset();
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -226,7 +227,7 @@ std::unique_ptr<Transport> LocalFabric::Connect(int rank) {
 
 void LocalFabric::Kill(int rank) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     dead_[static_cast<size_t>(rank)] = true;
     // Receives with a completion that nothing can answer now fail (messages
     // already sent were matched when they arrived).
@@ -239,7 +240,7 @@ void LocalFabric::Kill(int rank) {
       ops.clear();
     }
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 }  // namespace tandem::transport

@@ -9,17 +9,16 @@
 // Thread safety: thread-safe.
 #pragma once
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <tuple>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 #include "common/transport/transport.h"
 
@@ -53,7 +52,7 @@ class LocalFabric : public std::enable_shared_from_this<LocalFabric> {
     // Guarded by mu_.
     State state = State::kWaiting;
     Status status;
-    std::condition_variable cv;
+    CondVar cv;
   };
   // Hands `op` to the delivery thread with `status`.
   void QueueLocked(const std::shared_ptr<Async>& op, Status status) TANDEM_REQUIRES(mu_);
@@ -62,13 +61,13 @@ class LocalFabric : public std::enable_shared_from_this<LocalFabric> {
   void Deliver();
 
   const int size_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
   std::map<Key, std::deque<std::string>> mailboxes_ TANDEM_GUARDED_BY(mu_);
   std::vector<bool> dead_ TANDEM_GUARDED_BY(mu_);
   std::map<Key, std::deque<std::shared_ptr<Async>>> waiting_ TANDEM_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Async>> ready_ TANDEM_GUARDED_BY(mu_);
-  std::condition_variable delivery_cv_;
+  CondVar delivery_cv_;
   bool stopping_ TANDEM_GUARDED_BY(mu_) = false;
   std::thread delivery_;  // started under mu_
 };
