@@ -14,7 +14,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
   }
 
   void Pump() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (writing_ || finished_) return;
     auto next = service_->core_->NextUpdate(request_, position_);
     if (!next.ok()) {
@@ -28,13 +28,13 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
   }
 
   void End(const grpc::Status& status) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     FinishLocked(status);
   }
 
   void OnWriteDone(bool ok) override {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       writing_ = false;
       if (!ok) {
         FinishLocked(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the stream broke"));
@@ -57,7 +57,7 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
   }
 
  private:
-  void FinishLocked(const grpc::Status& status) {
+  void FinishLocked(const grpc::Status& status) TANDEM_REQUIRES(mu_) {
     if (finished_) return;
     finished_ = true;
     Finish(status);
@@ -65,11 +65,11 @@ class WatchReactor final : public grpc::ServerWriteReactor<v1::WatchMembershipRe
 
   CoordinatorService* const service_;  // outlives every stream (Stop ends them first)
   const v1::WatchMembershipRequest request_;
-  std::mutex mu_;
-  WatchPosition position_;
-  v1::WatchMembershipResponse message_;
-  bool writing_ = false;
-  bool finished_ = false;
+  Mutex mu_;
+  WatchPosition position_ TANDEM_GUARDED_BY(mu_);
+  v1::WatchMembershipResponse message_ TANDEM_GUARDED_BY(mu_);  // read by gRPC until OnWriteDone
+  bool writing_ TANDEM_GUARDED_BY(mu_) = false;
+  bool finished_ TANDEM_GUARDED_BY(mu_) = false;
   uint64_t generation_ = 0;  // set before the first Pump, read in OnDone
 };
 
@@ -137,7 +137,7 @@ CoordinatorService::CoordinatorService(CoordinatorCore* core, Store* store, prom
   core_->SetChangeListener([this](bool epochs) {
     if (epochs) {
       WakeWatchers();
-      cv_.notify_all();  // a new epoch may be waiting for durability before watchers get it
+      cv_.NotifyAll();  // a new epoch may be waiting for durability before watchers get it
     }
     RetryGets(false);
   });
@@ -155,25 +155,25 @@ void CoordinatorService::Start() {
 void CoordinatorService::Stop() {
   std::vector<WatchReactor*> watchers;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_) return;
     stopping_ = true;
     watchers.assign(watchers_.begin(), watchers_.end());
     for (auto* w : watchers) w->End(grpc::Status(grpc::StatusCode::UNAVAILABLE, "the coordinator is shutting down"));
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
   if (ticker_.joinable()) ticker_.join();
   if (durability_.joinable()) durability_.join();
   RetryGets(true);
 }
 
 void CoordinatorService::RemoveWatcher(WatchReactor* watcher) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   watchers_.erase(watcher);
 }
 
 void CoordinatorService::WakeWatchers() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (auto* w : watchers_) w->Pump();
 }
 
@@ -183,10 +183,10 @@ void CoordinatorService::FinishWhenDurable(grpc::ServerUnaryReactor* reactor, ui
     return;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!stopping_ && !store_failed_) {
       pending_.push_back({sequence, reactor});
-      cv_.notify_all();
+      cv_.NotifyAll();
       return;
     }
   }
@@ -199,23 +199,25 @@ void CoordinatorService::FinishWhenDurable(grpc::ServerUnaryReactor* reactor, ui
 }
 
 void CoordinatorService::DurabilityLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   while (true) {
-    cv_.wait(lock, [this] { return stopping_ || !pending_.empty() || core_->epoch_sequence() > woken_sequence_; });
+    cv_.Wait(lock, [this]() TANDEM_REQUIRES(mu_) {
+      return stopping_ || !pending_.empty() || core_->epoch_sequence() > woken_sequence_;
+    });
     uint64_t target = core_->epoch_sequence();
     for (const auto& p : pending_) target = std::max(target, p.sequence);
     const bool stopping = stopping_;
-    lock.unlock();
+    lock.Unlock();
     const Status durable = store_->WaitDurable(target);
     if (!durable.ok()) spdlog::error("the coordinator's store failed: {}", durable.message());
     const uint64_t done = store_->durable_sequence();
-    lock.lock();
+    lock.Lock();
     std::vector<PendingReply> ready;
     auto split = std::partition(pending_.begin(), pending_.end(),
                                 [&](const PendingReply& p) { return p.sequence > done && durable.ok(); });
     ready.assign(split, pending_.end());
     pending_.erase(split, pending_.end());
-    lock.unlock();
+    lock.Unlock();
     for (const auto& p : ready) {
       p.reactor->Finish(durable.ok() ? grpc::Status::OK
                                      : grpc::Status(grpc::StatusCode::UNAVAILABLE,
@@ -226,32 +228,32 @@ void CoordinatorService::DurabilityLoop() {
       woken_sequence_ = epochs;
       WakeWatchers();
     }
-    lock.lock();
+    lock.Lock();
     if (stopping && pending_.empty()) return;
     if (!durable.ok()) {
       // Nothing more can become durable: later replies fail at once (see
       // FinishWhenDurable); let Stop() end this thread.
       store_failed_ = true;
-      cv_.wait(lock, [this] { return stopping_; });
+      cv_.Wait(lock, [this]() TANDEM_REQUIRES(mu_) { return stopping_; });
       return;
     }
   }
 }
 
 void CoordinatorService::TickLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto next_metrics = std::chrono::steady_clock::now();
   while (!stopping_) {
-    cv_.wait_for(lock, tick_, [this] { return stopping_; });
+    cv_.WaitFor(lock, tick_, [this]() TANDEM_REQUIRES(mu_) { return stopping_; });
     if (stopping_) break;
-    lock.unlock();
+    lock.Unlock();
     core_->Tick();
     RetryGets(false);
     if (std::chrono::steady_clock::now() >= next_metrics) {
       UpdateMetrics();
       next_metrics = std::chrono::steady_clock::now() + std::chrono::milliseconds(250);
     }
-    lock.lock();
+    lock.Lock();
   }
 }
 
@@ -278,7 +280,7 @@ void CoordinatorService::UpdateMetrics() {
     }
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     watch_streams_.Set(static_cast<double>(watchers_.size()));
   }
   last_stats_ = std::move(stats);
@@ -320,7 +322,7 @@ grpc::ServerWriteReactor<v1::WatchMembershipResponse>* CoordinatorService::Watch
   Status attached = generation.status();
   if (generation.ok()) watcher->set_generation(*generation);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (stopping_ && attached.ok()) attached = Unavailable("the coordinator is shutting down");
     if (attached.ok()) watchers_.insert(watcher);
   }
@@ -368,7 +370,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetEpochValues(grpc::CallbackServe
     return reactor;
   }
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!stopping_) {
       gets_.push_back(
           {reactor, *request, response, std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms)});
@@ -383,7 +385,7 @@ grpc::ServerUnaryReactor* CoordinatorService::GetEpochValues(grpc::CallbackServe
 void CoordinatorService::RetryGets(bool expire_all) {
   std::vector<PendingGet> gets;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     gets.swap(gets_);
   }
   std::vector<PendingGet> keep;
@@ -399,12 +401,12 @@ void CoordinatorService::RetryGets(bool expire_all) {
       keep.push_back(std::move(g));
     }
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (!stopping_) {
     for (auto& g : keep) gets_.push_back(std::move(g));
     return;
   }
-  lock.unlock();
+  lock.Unlock();
   // Shutting down: answer with what is there rather than leave the call open.
   for (auto& g : keep) {
     auto result = core_->GetEpochValues(g.request);

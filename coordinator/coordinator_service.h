@@ -12,9 +12,7 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
@@ -24,6 +22,7 @@
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
 
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 #include "coordinator/coordinator_core.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
@@ -97,8 +96,8 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   Store* const store_;           // outlives the service (constructor contract)
   const std::chrono::milliseconds tick_;
 
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
   std::vector<PendingReply> pending_ TANDEM_GUARDED_BY(mu_);
   std::vector<PendingGet> gets_ TANDEM_GUARDED_BY(mu_);
   std::set<WatchReactor*> watchers_ TANDEM_GUARDED_BY(mu_);

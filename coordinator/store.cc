@@ -255,10 +255,10 @@ Result<std::unique_ptr<FileStore>> FileStore::Open(const std::string& dir, FileS
 FileStore::~FileStore() {
   if (writer_.joinable()) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stop_ = true;
     }
-    writer_cv_.notify_one();
+    writer_cv_.NotifyOne();
     writer_.join();
   }
   if (active_fd_ >= 0) close(active_fd_);
@@ -461,10 +461,10 @@ Status FileStore::Load() {
     active_bytes_ = last_bytes;
   }
   {
-    std::lock_guard<std::mutex> lock(snapshot_mu_);
+    MutexLock lock(&snapshot_mu_);
     for (size_t i = 0; i < kept_snapshots; ++i) snapshots_.push_back(snapshots[i].first);
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& [first, path] : logs) segments_.push_back({first, path});
   next_sequence_ = std::max(snap, expected - 1) + 1;
   durable_ = next_sequence_ - 1;
@@ -485,14 +485,14 @@ uint64_t FileStore::Append(std::string payload) {
   bool wake = false;
   uint64_t sequence = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     sequence = next_sequence_++;
     if (too_large) refused_.emplace(sequence, TooLarge(sequence, size, options_.max_record_bytes));
     if (!failure_.ok()) return sequence;  // never written; WaitDurable reports the failure
     queue_.push_back({sequence, std::move(payload), too_large});
     wake = queue_.size() == 1;
   }
-  if (wake) writer_cv_.notify_one();
+  if (wake) writer_cv_.NotifyOne();
   return sequence;
 }
 
@@ -501,7 +501,7 @@ Status FileStore::WaitDurable(uint64_t sequence) {
 }
 
 Status FileStore::WaitDurableUpTo(uint64_t sequence, bool check_refused) {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   if (check_refused) {
     const auto it = refused_.find(sequence);
     if (it != refused_.end()) return it->second;
@@ -509,7 +509,7 @@ Status FileStore::WaitDurableUpTo(uint64_t sequence, bool check_refused) {
   if (sequence >= next_sequence_) {
     return InvalidArgument("sequence {} was never appended (the last is {})", sequence, next_sequence_ - 1);
   }
-  durable_cv_.wait(lock, [&] { return durable_.load() >= sequence || !failure_.ok(); });
+  durable_cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return durable_.load() >= sequence || !failure_.ok(); });
   if (durable_.load() >= sequence) return Status::Ok();
   return failure_;
 }
@@ -519,7 +519,7 @@ uint64_t FileStore::durable_sequence() const {
 }
 
 FileStoreStats FileStore::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return stats_;
 }
 
@@ -527,8 +527,8 @@ void FileStore::WriterLoop() {
   std::vector<Pending> batch;
   for (;;) {
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      writer_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      MutexLock lock(&mu_);
+      writer_cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return stop_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, and everything is written
       batch.swap(queue_);
       if (!failure_.ok()) {  // failed meanwhile: nothing more is written
@@ -540,7 +540,7 @@ void FileStore::WriterLoop() {
     delta.records = batch.size();
     Status status = WriteBatch(batch, &delta);
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       stats_.records += delta.records;
       stats_.bytes += delta.bytes;
       stats_.batches += 1;
@@ -552,7 +552,7 @@ void FileStore::WriterLoop() {
         queue_.clear();
       }
     }
-    durable_cv_.notify_all();
+    durable_cv_.NotifyAll();
     batch.clear();
   }
 }
@@ -576,7 +576,7 @@ Status FileStore::RollSegment(uint64_t first) {
   active_next_ = first;
   active_bytes_ = 0;
   TANDEM_RETURN_IF_ERROR(FsyncDir(dir_));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   segments_.push_back({first, path});
   return Status::Ok();
 }
@@ -622,9 +622,9 @@ Status FileStore::WriteBatch(std::vector<Pending>& batch, FileStoreStats* delta)
 }
 
 Status FileStore::WriteSnapshot(uint64_t sequence, std::string payload) {
-  std::lock_guard<std::mutex> snapshot_lock(snapshot_mu_);
+  MutexLock snapshot_lock(&snapshot_mu_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (!failure_.ok()) return failure_;
     if (sequence == 0 || sequence >= next_sequence_) {
       return InvalidArgument("cannot snapshot the state as of sequence {}: the last appended record is {}", sequence,
@@ -673,7 +673,7 @@ Status FileStore::WriteSnapshot(uint64_t sequence, std::string payload) {
   }
   const uint64_t oldest = snapshots_.front();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     size_t covered = 0;  // never the last segment: the writer appends to it
     while (covered + 1 < segments_.size() && segments_[covered + 1].first <= oldest + 1) ++covered;
     for (size_t i = 0; i < covered; ++i) doomed.push_back(segments_[i].path);
@@ -692,13 +692,13 @@ Status FileStore::WriteSnapshot(uint64_t sequence, std::string payload) {
 
 MemoryStore::MemoryStore(std::shared_ptr<MemoryStoreBacking> backing, uint64_t max_record_bytes)
     : backing_(std::move(backing)), max_record_bytes_(max_record_bytes) {
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   durable_ = backing_->last_sequence_;
 }
 
 Result<Recovery> MemoryStore::Recover() {
   if (recovered_.exchange(true)) return FailedPrecondition("Recover was already called on this MemoryStore");
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   Recovery recovery;
   recovery.snapshot_sequence = backing_->snapshot_sequence_;
   recovery.snapshot = backing_->snapshot_;
@@ -709,7 +709,7 @@ Result<Recovery> MemoryStore::Recover() {
 }
 
 uint64_t MemoryStore::Append(std::string payload) {
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   const uint64_t sequence = ++backing_->last_sequence_;
   if (payload.size() > max_record_bytes_)
     refused_.emplace(sequence, TooLarge(sequence, payload.size(), max_record_bytes_));
@@ -724,7 +724,7 @@ uint64_t MemoryStore::Append(std::string payload) {
 }
 
 Status MemoryStore::WaitDurable(uint64_t sequence) {
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   const auto it = refused_.find(sequence);
   if (it != refused_.end()) return it->second;
   if (sequence > backing_->last_sequence_) {
@@ -739,7 +739,7 @@ uint64_t MemoryStore::durable_sequence() const {
 }
 
 Status MemoryStore::WriteSnapshot(uint64_t sequence, std::string payload) {
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   if (!failure_.ok()) return failure_;
   if (sequence == 0 || sequence > backing_->last_sequence_) {
     return InvalidArgument("cannot snapshot the state as of sequence {}: the last appended record is {}", sequence,
@@ -758,7 +758,7 @@ Status MemoryStore::WriteSnapshot(uint64_t sequence, std::string payload) {
 }
 
 void MemoryStore::InjectFailure(Status status) {
-  std::lock_guard<std::mutex> lock(backing_->mu_);
+  MutexLock lock(&backing_->mu_);
   if (failure_.ok() && !status.ok()) failure_ = std::move(status);
 }
 

@@ -28,18 +28,17 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 
@@ -181,9 +180,9 @@ class FileStore final : public Store {
   std::unique_ptr<Recovery> recovery_;
   bool recovered_ = false;
 
-  mutable std::mutex mu_;
-  std::condition_variable writer_cv_;   // wakes the writer: something queued, or stop
-  std::condition_variable durable_cv_;  // wakes WaitDurable: durable_ moved or the store failed
+  mutable Mutex mu_;
+  CondVar writer_cv_;   // wakes the writer: something queued, or stop
+  CondVar durable_cv_;  // wakes WaitDurable: durable_ moved or the store failed
   std::vector<Pending> queue_ TANDEM_GUARDED_BY(mu_);
   uint64_t next_sequence_ TANDEM_GUARDED_BY(mu_) = 1;
   std::atomic<uint64_t> durable_{0};  // written under mu_
@@ -204,7 +203,7 @@ class FileStore final : public Store {
 
   // WriteSnapshot's state. One caller at a time is the contract; the mutex
   // only makes a violation harmless.
-  std::mutex snapshot_mu_;
+  Mutex snapshot_mu_;
   std::vector<uint64_t> snapshots_ TANDEM_GUARDED_BY(snapshot_mu_);  // sequences of the snapshots kept, ascending
 };
 
@@ -219,7 +218,7 @@ class MemoryStoreBacking {
 
  private:
   friend class MemoryStore;
-  std::mutex mu_;
+  Mutex mu_;
   uint64_t last_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
   uint64_t snapshot_sequence_ TANDEM_GUARDED_BY(mu_) = 0;
   std::string snapshot_ TANDEM_GUARDED_BY(mu_);
@@ -253,9 +252,8 @@ class MemoryStore final : public Store {
   const uint64_t max_record_bytes_;
   std::atomic<bool> recovered_{false};
   std::atomic<uint64_t> durable_{0};
-  // Guarded by backing_->mu_.
-  Status failure_;
-  std::map<uint64_t, Status> refused_;  // sequences Append refused, and why
+  Status failure_ TANDEM_GUARDED_BY(backing_->mu_);
+  std::map<uint64_t, Status> refused_ TANDEM_GUARDED_BY(backing_->mu_);  // sequences Append refused, and why
 };
 
 }  // namespace tandem::coordinator

@@ -7,14 +7,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <map>
-#include <mutex>
 #include <set>
 #include <string>
 #include <thread>
@@ -24,6 +22,7 @@
 #include <gtest/gtest.h>
 
 #include "common/crc32c.h"
+#include "common/mutex.h"
 #include "test_util.h"
 
 namespace tandem::coordinator {
@@ -42,8 +41,8 @@ class Watchdog {
  public:
   explicit Watchdog(std::chrono::seconds limit)
       : thread_([this, limit] {
-          std::unique_lock<std::mutex> lock(mu_);
-          if (!cv_.wait_for(lock, limit, [this] { return done_; })) {
+          MutexLock lock(&mu_);
+          if (!cv_.WaitFor(lock, limit, [this]() TANDEM_REQUIRES(mu_) { return done_; })) {
             const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
             std::fprintf(stderr, "%s.%s did not finish within %lld s\n",
                          info != nullptr ? info->test_suite_name() : "?", info != nullptr ? info->name() : "?",
@@ -53,17 +52,17 @@ class Watchdog {
         }) {}
   ~Watchdog() {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       done_ = true;
     }
-    cv_.notify_one();
+    cv_.NotifyOne();
     thread_.join();
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  bool done_ TANDEM_GUARDED_BY(mu_) = false;
   std::thread thread_;  // last: starts after the members it uses
 };
 
