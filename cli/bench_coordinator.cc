@@ -14,11 +14,9 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <filesystem>
 #include <fstream>
-#include <mutex>
 #include <sstream>
 #include <thread>
 
@@ -28,6 +26,7 @@
 #include "cli/launcher.h"
 #include "common/config.h"
 #include "common/grpc_util.h"
+#include "common/mutex.h"
 #include "common/proc_stat.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
@@ -91,7 +90,7 @@ class Sim {
 
   Status RegisterAll(int threads) {
     std::atomic<size_t> next{0};
-    std::mutex mu;
+    Mutex mu;
     Status failure;
     std::vector<std::thread> pool;
     for (int t = 0; t < threads; ++t) {
@@ -107,7 +106,7 @@ class Sim {
           v1::RegisterResponse response;
           const grpc::Status s = stub(i)->Register(&ctx, r, &response);
           if (!s.ok()) {
-            std::lock_guard<std::mutex> lock(mu);
+            MutexLock lock(&mu);
             failure = Status::FromGrpc(s).WithContext("register");
             return;
           }
@@ -124,7 +123,7 @@ class Sim {
   void StartWatch(size_t i) {
     auto* w = new Watch(this, i);  // owned by watches_, destroyed after its OnDone
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       watches_[i].reset(w);
       ++open_;
     }
@@ -144,34 +143,34 @@ class Sim {
       if (!mine) return;
       m.epoch = u.epoch().epoch();
       if (u.epoch().state() == v1::EPOCH_STATE_ACTIVE) m.active_epoch = u.epoch().epoch();
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       acks_.emplace_back(i, u.epoch().epoch());
       first_seen_.try_emplace(u.epoch().epoch(), Clock::now());
-      cv_.notify_all();
+      cv_.NotifyAll();
     } else if (u.has_state_change() && u.state_change().state() == v1::EPOCH_STATE_ACTIVE) {
       m.active_epoch = u.state_change().epoch();
-      std::lock_guard<std::mutex> lock(mu_);
-      cv_.notify_all();
+      MutexLock lock(&mu_);
+      cv_.NotifyAll();
     }
   }
 
   void OnStreamDone() {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     --open_;
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   // Threads that acknowledge epochs as members receive them.
   void StartAckers(int threads) {
     for (int t = 0; t < threads; ++t) {
       ackers_.emplace_back([this] {
-        std::unique_lock<std::mutex> lock(mu_);
+        MutexLock lock(&mu_);
         while (true) {
-          cv_.wait(lock, [this] { return stop_ || !acks_.empty(); });
+          cv_.Wait(lock, [this]() TANDEM_REQUIRES(mu_) { return stop_ || !acks_.empty(); });
           if (stop_) return;
           auto [i, epoch] = acks_.front();
           acks_.pop_front();
-          lock.unlock();
+          lock.Unlock();
           if (!members_[i].killed) {
             v1::AckEpochRequest r;
             r.set_job_id("default");
@@ -183,7 +182,7 @@ class Sim {
             v1::AckEpochResponse response;
             (void)stub(i)->AckEpoch(&ctx, r, &response);
           }
-          lock.lock();
+          lock.Lock();
         }
       });
     }
@@ -191,8 +190,8 @@ class Sim {
 
   // Waits until every live member has seen epoch `epoch` active; false on timeout.
   bool WaitAllActive(uint64_t epoch, std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, timeout, [&] {
+    MutexLock lock(&mu_);
+    return cv_.WaitFor(lock, timeout, [&]() TANDEM_REQUIRES(mu_) {
       for (const auto& m : members_) {
         if (!m.killed && m.active_epoch < epoch) return false;
       }
@@ -202,9 +201,9 @@ class Sim {
 
   // Waits until the first live member receives an epoch newer than `epoch`.
   std::optional<Clock::time_point> WaitNewEpoch(uint64_t epoch, std::chrono::milliseconds timeout) {
-    std::unique_lock<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     std::optional<Clock::time_point> when;
-    cv_.wait_for(lock, timeout, [&] {
+    cv_.WaitFor(lock, timeout, [&]() TANDEM_REQUIRES(mu_) {
       for (const auto& [e, t] : first_seen_) {
         if (e > epoch) {
           when = t;
@@ -270,39 +269,39 @@ class Sim {
 
   void Kill(size_t i) {
     members_[i].killed = true;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (watches_[i]) watches_[i]->Cancel();
   }
 
   void Shutdown() {
     StopBackground();
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (shut_) return;
       shut_ = true;
       for (auto& w : watches_) {
         if (w) w->Cancel();
       }
     }
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(30), [this] { return open_ == 0; });
+    MutexLock lock(&mu_);
+    cv_.WaitFor(lock, std::chrono::seconds(30), [this]() TANDEM_REQUIRES(mu_) { return open_ == 0; });
     stop_ = true;
-    cv_.notify_all();
-    lock.unlock();
+    cv_.NotifyAll();
+    lock.Unlock();
     for (auto& t : ackers_) t.join();
   }
 
  private:
   std::vector<std::unique_ptr<v1::Coordinator::Stub>> stubs_;
   std::vector<Member> members_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::vector<std::unique_ptr<Watch>> watches_;  // by member index
-  std::deque<std::pair<size_t, uint64_t>> acks_;
-  std::map<uint64_t, Clock::time_point> first_seen_;
-  size_t open_ = 0;
-  bool stop_ = false;
-  bool shut_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  std::vector<std::unique_ptr<Watch>> watches_ TANDEM_GUARDED_BY(mu_);  // by member index
+  std::deque<std::pair<size_t, uint64_t>> acks_ TANDEM_GUARDED_BY(mu_);
+  std::map<uint64_t, Clock::time_point> first_seen_ TANDEM_GUARDED_BY(mu_);
+  size_t open_ TANDEM_GUARDED_BY(mu_) = 0;
+  bool stop_ TANDEM_GUARDED_BY(mu_) = false;
+  bool shut_ TANDEM_GUARDED_BY(mu_) = false;
   std::vector<std::thread> ackers_;
   std::thread background_;
   std::atomic<bool> background_stop_{false};

@@ -16,10 +16,8 @@
 
 #include <atomic>
 #include <cerrno>
-#include <condition_variable>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -32,6 +30,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/daemon.h"
+#include "common/mutex.h"
 #include "server/checkpoint/checkpoint.h"
 #include "tandem/config.h"
 #include "worker/data/dataset.h"
@@ -93,10 +92,10 @@ class Worker {
     // The daemon's training loop only hands its context over and parks: the
     // Python main thread trains.
     auto loop = [this](worker::WorkerContext& context) -> Status {
-      std::unique_lock lock(mu_);
+      MutexLock lock(&mu_);
       context_ = &context;
-      cv_.notify_all();
-      while (!released_ && !context.stopping()) cv_.wait_for(lock, std::chrono::milliseconds(50));
+      cv_.NotifyAll();
+      while (!released_ && !context.stopping()) cv_.WaitFor(lock, std::chrono::milliseconds(50));
       context_ = nullptr;
       return Status::Ok();
     };
@@ -111,14 +110,15 @@ class Worker {
       return;
     }
     daemon_ = std::move(*running);
-    std::unique_lock lock(mu_);
-    if (!cv_.wait_for(lock, std::chrono::seconds(30), [&] { return context_ != nullptr || shutdown_requested_; })) {
-      lock.unlock();
+    MutexLock lock(&mu_);
+    if (!cv_.WaitFor(lock, std::chrono::seconds(30),
+                     [&]() TANDEM_REQUIRES(mu_) { return context_ != nullptr || shutdown_requested_; })) {
+      lock.Unlock();
       Shutdown();
       Throw(DeadlineExceeded("the worker daemon did not start its training loop within 30 s"));
     }
     if (context_ == nullptr) {
-      lock.unlock();
+      lock.Unlock();
       Status why = daemon_->daemon().failure();
       Shutdown();
       Throw(why.ok() ? Cancelled("the worker was asked to shut down while starting") : why);
@@ -187,11 +187,11 @@ class Worker {
   int Shutdown() {
     std::unique_ptr<worker::Runtime> runtime;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (runtime_ != nullptr) runtime_->Stop();
       runtime = std::move(runtime_);
       released_ = true;
-      cv_.notify_all();
+      cv_.NotifyAll();
     }
     // Before the data plane it uses goes, with the GIL held: its options
     // hold Python callables (the optimizer-state hooks).
@@ -303,7 +303,7 @@ class Worker {
     }
     auto runtime = std::make_unique<worker::Runtime>(options, context().data_plane);
     if (metrics_ == nullptr) metrics_ = std::make_unique<worker::TrainMetrics>(context().registry);
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (shutdown_requested_) runtime->Stop();
     runtime_ = std::move(runtime);
   }
@@ -445,9 +445,9 @@ class Worker {
     shutdown_requested_ = true;
     // Any thread: Runtime::Stop is thread-safe, and mu_ keeps Shutdown from
     // destroying the runtime meanwhile.
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (runtime_ != nullptr) runtime_->Stop();
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
   void StopWakeupWatch() {
@@ -462,10 +462,13 @@ class Worker {
   DaemonSpec spec_;
   std::unique_ptr<RunningDaemon> daemon_;
   std::string help_;
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
+  // context_ and runtime_ are written under mu_ (the loop thread and
+  // OnShutdownRequest read them under it); the Python thread that writes
+  // them reads them without it.
   worker::WorkerContext* context_ = nullptr;
-  bool released_ = false;
+  bool released_ TANDEM_GUARDED_BY(mu_) = false;
   std::atomic<bool> shutdown_requested_{false};
   std::unique_ptr<worker::Runtime> runtime_;
   std::unique_ptr<worker::TrainMetrics> metrics_;

@@ -2,7 +2,6 @@
 
 #include <array>
 #include <map>
-#include <mutex>
 #include <set>
 
 #include <prometheus/counter.h>
@@ -73,13 +72,13 @@ struct DataPlane::Metrics {
     prometheus::Counter* bytes = nullptr;
     prometheus::Histogram* seconds = nullptr;
   };
-  std::mutex ps_mu;
+  Mutex ps_mu;
   std::map<std::pair<bool, uint32_t>, PsSeries> ps_series TANDEM_GUARDED_BY(ps_mu);
 
   void PsAnswered(bool pull, uint32_t server, uint64_t bytes, double seconds) {
     PsSeries series;
     {
-      std::lock_guard lock(ps_mu);
+      MutexLock lock(&ps_mu);
       PsSeries& s = ps_series[{pull, server}];
       if (s.bytes == nullptr) {
         const std::map<std::string, std::string> labels = {{"op", pull ? "pull" : "push"},
@@ -173,11 +172,11 @@ Status DataPlane::Hook(MemberHooks* hooks) {
     return OnEpoch(epoch, session);
   };
   hooks->on_newer_epoch = [this](uint64_t latest) {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (building_ != nullptr) building_->CancelIfSuperseded(latest);
   };
   hooks->collective_progress = [this] {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     return manager_ ? manager_->CollectiveProgress() : std::vector<v1::CollectiveProgress>{};
   };
   return Status::Ok();
@@ -186,14 +185,14 @@ Status DataPlane::Hook(MemberHooks* hooks) {
 void DataPlane::Stop() {
   stopping_ = true;
   {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (building_ != nullptr) building_->Cancel("the worker is shutting down");
   }
   {
-    std::lock_guard lock(view_mu_);
-    view_cv_.notify_all();
+    MutexLock lock(&view_mu_);
+    view_cv_.NotifyAll();
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (manager_) manager_->Abort("the worker is shutting down");
   if (ps_client_) ps_client_->Stop();
 }
@@ -250,7 +249,7 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   if (stopping_) return Status::Ok();  // leaving the job: the epoch forms without this worker
   const auto start = Clock::now();
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!ps_client_) {
       PsClientOptions ps;
       ps.job_id = session.options().job_id;
@@ -289,7 +288,7 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
   comm::CoordinatorRendezvous rendezvous(session.channel(), rv);
   {
     // Stop() cancels the build from here on (it may wait on peers that are gone).
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (stopping_) return Status::Ok();
     building_ = &rendezvous;
   }
@@ -300,7 +299,7 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
     built = ps_client_->SetEpoch(epoch, session.member_id(), rendezvous);
   }
   {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     building_ = nullptr;
   }
   if (!built.ok() && stopping_) {
@@ -323,10 +322,10 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
     for (const auto& p : epoch.peers()) {
       if (p.member_id() == view->member_id) view->rank = p.rank();
     }
-    std::lock_guard lock(view_mu_);
+    MutexLock lock(&view_mu_);
     built_ = std::move(view);
     session_ = &session;
-    view_cv_.notify_all();
+    view_cv_.NotifyAll();
   }
   const auto names = manager_->names();
   metrics_->communicators->Set(static_cast<double>(names.size()));
@@ -343,19 +342,20 @@ Status DataPlane::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& sessi
 }
 
 std::shared_ptr<const DataPlane::EpochView> DataPlane::built() const {
-  std::lock_guard lock(view_mu_);
+  MutexLock lock(&view_mu_);
   return built_;
 }
 
 std::shared_ptr<const DataPlane::EpochView> DataPlane::WaitNewer(uint64_t after, std::chrono::milliseconds timeout) {
-  std::unique_lock lock(view_mu_);
-  view_cv_.wait_for(lock, timeout, [&] { return stopping_ || (built_ && built_->epoch.epoch() > after); });
+  MutexLock lock(&view_mu_);
+  view_cv_.WaitFor(lock, timeout,
+                   [&]() TANDEM_REQUIRES(view_mu_) { return stopping_ || (built_ && built_->epoch.epoch() > after); });
   if (stopping_ || !built_ || built_->epoch.epoch() <= after) return nullptr;
   return built_;
 }
 
 std::unique_ptr<comm::Rendezvous> DataPlane::EpochValues(uint64_t epoch) {
-  std::lock_guard lock(view_mu_);
+  MutexLock lock(&view_mu_);
   if (session_ == nullptr || !built_ || built_->epoch.epoch() != epoch) return nullptr;
   comm::CoordinatorRendezvousOptions rv;
   rv.job_id = session_->options().job_id;
@@ -367,7 +367,7 @@ std::unique_ptr<comm::Rendezvous> DataPlane::EpochValues(uint64_t epoch) {
 }
 
 void DataPlane::ReportStep(uint64_t step) {
-  std::lock_guard lock(view_mu_);
+  MutexLock lock(&view_mu_);
   if (session_ != nullptr) session_->SetStep(step);
 }
 

@@ -32,14 +32,13 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <memory>
-#include <mutex>
 #include <string>
 
 #include "common/coordinator_link.h"
 #include "common/coordinator_rendezvous.h"
 #include "common/daemon.h"
+#include "common/mutex.h"
 #include "worker/comm/comm_manager.h"
 #include "worker/comm/factory.h"
 #include "worker/ps/ps_client.h"
@@ -108,16 +107,16 @@ class DataPlane {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<comm::CommManager> manager_;
   std::unique_ptr<PsClient> ps_client_;
-  std::mutex mu_;
+  Mutex mu_;
   v1::MembershipEpoch epoch_;  // the epoch being built (the factory reads node placement from it)
   uint64_t member_id_ = 0;
   std::atomic<bool> stopping_{false};
-  mutable std::mutex view_mu_;
-  std::condition_variable view_cv_;
+  mutable Mutex view_mu_;
+  CondVar view_cv_;
   std::shared_ptr<const EpochView> built_ TANDEM_GUARDED_BY(view_mu_);
   MemberSession* session_ TANDEM_GUARDED_BY(view_mu_) = nullptr;
   // The rendezvous of the epoch being built, which Stop() cancels.
-  std::mutex building_mu_;
+  Mutex building_mu_;
   comm::CoordinatorRendezvous* building_ TANDEM_GUARDED_BY(building_mu_) = nullptr;
 };
 

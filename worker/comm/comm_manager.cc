@@ -216,12 +216,12 @@ CommManager::~CommManager() {
 }
 
 Status CommManager::SetEpoch(const v1::MembershipEpoch& epoch, Rendezvous& rendezvous) {
-  std::lock_guard build(set_mu_);
+  MutexLock build(&set_mu_);
   std::vector<Entry> old;
   uint64_t old_epoch = 0;
   uint64_t generation = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch.epoch() == epoch_ && ready_) return Status::Ok();
     if (epoch.epoch() < epoch_) {
       return FailedPrecondition("epoch {} is older than the current epoch {}", epoch.epoch(), epoch_);
@@ -266,7 +266,7 @@ Status CommManager::SetEpoch(const v1::MembershipEpoch& epoch, Rendezvous& rende
     built.push_back({info.name, std::shared_ptr<Communicator>(std::move(*comm))});
   }
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (generation_ == generation) {
       set_ = std::move(built);
       node_name_ = std::move(node_name);
@@ -282,7 +282,7 @@ Status CommManager::SetEpoch(const v1::MembershipEpoch& epoch, Rendezvous& rende
 void CommManager::Abort(const std::string& reason) {
   std::vector<Entry> old;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     old.swap(set_);
     node_name_.clear();
     in_flight_.clear();
@@ -293,7 +293,7 @@ void CommManager::Abort(const std::string& reason) {
 }
 
 std::shared_ptr<Communicator> CommManager::Get(const std::string& name) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   const std::string& wanted = name == "node" ? node_name_ : name;
   for (const auto& e : set_) {
     if (e.name == wanted) return e.comm;
@@ -302,19 +302,19 @@ std::shared_ptr<Communicator> CommManager::Get(const std::string& name) const {
 }
 
 std::vector<std::string> CommManager::names() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<std::string> out;
   for (const auto& e : set_) out.push_back(e.name);
   return out;
 }
 
 uint64_t CommManager::epoch() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_;
 }
 
 std::vector<Progress> CommManager::progress() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<Progress> out;
   out.reserve(set_.size());
   for (const auto& e : set_) out.push_back(e.comm->progress());
@@ -323,7 +323,7 @@ std::vector<Progress> CommManager::progress() const {
 
 std::vector<v1::CollectiveProgress> CommManager::CollectiveProgress() {
   const auto now = std::chrono::steady_clock::now();
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   std::vector<v1::CollectiveProgress> out;
   for (const auto& e : set_) {
     if (out.size() == kMaxProgressEntries) break;

@@ -49,10 +49,10 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/rendezvous.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
@@ -149,8 +149,8 @@ class CommManager {
   const BackendFactory factory_;
   const CommManagerOptions options_;
 
-  std::mutex set_mu_;  // serialises SetEpoch
-  mutable std::mutex mu_;
+  Mutex set_mu_;  // serialises SetEpoch
+  mutable Mutex mu_;
   uint64_t epoch_ TANDEM_GUARDED_BY(mu_) = 0;
   std::vector<Entry> set_ TANDEM_GUARDED_BY(mu_);
   bool ready_ TANDEM_GUARDED_BY(mu_) = false;       // set_ is the complete set of epoch_

@@ -50,13 +50,13 @@ std::string DescribeCollective(Kind kind, uint64_t seq, uint64_t count, DType dt
 Communicator::Communicator(CommInfo info) : info_(std::move(info)) {}
 
 Status Communicator::health() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return broken_;
 }
 
 void Communicator::Abort(const std::string& reason) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (aborted_.load()) return;
     if (broken_.ok()) {
       broken_ = Aborted("communicator \"{}\" of epoch {} was aborted: {}", info_.name, info_.epoch, reason);
@@ -78,7 +78,7 @@ Progress Communicator::progress() const {
 
 Status Communicator::Begin(Kind kind, uint64_t* seq) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!broken_.ok()) return broken_;
   }
   last_kind_.store(static_cast<uint8_t>(kind));
@@ -96,7 +96,7 @@ Status Communicator::Finish(Status status, bool numbered) {
     if (numbered) completed_.fetch_add(1);
     return status;
   }
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   // An abort that raced the failure explains it better than the symptom.
   if (!broken_.ok()) return broken_;
   broken_ = status;

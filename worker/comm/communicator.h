@@ -30,9 +30,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <string>
 
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "worker/collectives/dtype.h"
@@ -175,7 +175,7 @@ class Communicator {
   std::atomic<uint64_t> entered_{0};
   std::atomic<uint64_t> completed_{0};
   std::atomic<uint8_t> last_kind_{0};
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   Status broken_ TANDEM_GUARDED_BY(mu_);
 };
 

@@ -273,7 +273,7 @@ Status NcclCommunicator::InitNccl(const std::string& unique_id) {
     return Status(NcclCode(r), fmt::format("cannot create {}: ncclCommInitRankConfig: {}", Where(), error));
   }
   Status status = Wait(nullptr, nccl, /*query_stream=*/false);
-  std::lock_guard lock(nccl_mu_);
+  MutexLock lock(&nccl_mu_);
   nccl_ = nccl;
   if (!status.ok()) {
     AbortNcclLocked();
@@ -321,7 +321,7 @@ Status NcclCommunicator::Wait(const OpName* op, ncclComm_t nccl, bool query_stre
 Status NcclCommunicator::Run(const OpName& op, const Enqueue& enqueue) {
   ncclComm_t nccl = nullptr;
   {
-    std::lock_guard lock(nccl_mu_);
+    MutexLock lock(&nccl_mu_);
     if (aborted()) return health();
     if (nccl_ == nullptr) return FailedPrecondition("{}: the NCCL communicator is gone", Where());
     nccl = nccl_;
@@ -337,7 +337,7 @@ Status NcclCommunicator::Run(const OpName& op, const Enqueue& enqueue) {
           Status(NcclCode(r), fmt::format("{} failed on rank {}: NCCL: {}", Describe(&op), rank(), NcclError(r, nccl)));
     }
   }
-  std::lock_guard lock(nccl_mu_);
+  MutexLock lock(&nccl_mu_);
   in_flight_ = false;
   // An abort that came in while the operation ran was left to this thread.
   if ((!status.ok() || aborted()) && nccl_ != nullptr) AbortNcclLocked();
@@ -360,7 +360,7 @@ void NcclCommunicator::AbortNcclLocked() {
 }
 
 void NcclCommunicator::OnAbort() {
-  std::lock_guard lock(nccl_mu_);
+  MutexLock lock(&nccl_mu_);
   // With an operation in flight its thread sees aborted() and aborts NCCL.
   if (!in_flight_) AbortNcclLocked();
 }
@@ -368,7 +368,7 @@ void NcclCommunicator::OnAbort() {
 NcclCommunicator::~NcclCommunicator() {
   if (stream_ != nullptr) (void)UseDevice(device_);  // SetUp got this far: the device works
   {
-    std::lock_guard lock(nccl_mu_);
+    MutexLock lock(&nccl_mu_);
     if (nccl_ != nullptr && health().ok()) {
       // Flush and release gracefully, bounded by the timeout.
       ncclResult_t r = ncclCommFinalize(nccl_);

@@ -58,10 +58,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <string_view>
 
+#include "common/mutex.h"
 #include "common/rendezvous.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
@@ -163,7 +163,7 @@ class NcclCommunicator final : public comm::Communicator {
   const int device_;
   CUstream_st* stream_ = nullptr;
   int32_t* barrier_ = nullptr;  // one int32 of device memory for Barrier()
-  std::mutex nccl_mu_;
+  Mutex nccl_mu_;
   ncclComm* nccl_ TANDEM_GUARDED_BY(nccl_mu_) = nullptr;  // null before init and once aborted
   bool in_flight_ TANDEM_GUARDED_BY(nccl_mu_) = false;    // an operation is using nccl_ outside the lock
 };

@@ -26,8 +26,8 @@ Status PsOp::Wait(std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   transport::DriveWhileWaiting(
       std::max(bytes_, dst_bytes_), progress_, [this] { return done(); }, deadline);
-  std::unique_lock lock(mu_);
-  if (!cv_.wait_until(lock, deadline, [this] { return done_; })) {
+  MutexLock lock(&mu_);
+  if (!cv_.WaitUntil(lock, deadline, [this]() TANDEM_REQUIRES(mu_) { return done_; })) {
     return DeadlineExceeded("{} of partition {} (step {}) not answered within {} ms", ps::FrameTypeName(reply_.type),
                             reply_.partition, reply_.step, timeout.count());
   }
@@ -35,19 +35,19 @@ Status PsOp::Wait(std::chrono::milliseconds timeout) {
 }
 
 bool PsOp::done() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return done_;
 }
 
 void PsOp::Complete(const ps::Frame& reply, Status status) {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (done_) return;
     reply_ = reply;
     status_ = std::move(status);
     done_ = true;
   }
-  cv_.notify_all();
+  cv_.NotifyAll();
 }
 
 // ---------------------------------------------------------------------------
@@ -61,24 +61,24 @@ PsClient::~PsClient() {
 }
 
 std::shared_ptr<PsClient::Group> PsClient::Current() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return group_;
 }
 
 uint64_t PsClient::epoch() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_.epoch();
 }
 
 v1::ShardMap PsClient::shard_map() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_.shard_map();
 }
 
 void PsClient::FailAll(const std::shared_ptr<Group>& group, const Status& status) {
   std::map<uint64_t, std::shared_ptr<PsOp>> ops;
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     ops.swap(group->ops);
   }
   for (auto& [id, op] : ops) op->Complete(op->reply_, status);
@@ -87,7 +87,7 @@ void PsClient::FailAll(const std::shared_ptr<Group>& group, const Status& status
 void PsClient::Stop() {
   std::shared_ptr<Group> group;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     group = std::move(group_);
   }
   if (!group) return;
@@ -99,7 +99,7 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   std::shared_ptr<Group> old;
   uint64_t previous = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     // The same epoch again (activated, or re-sent after a reconnection).
     if (epoch.epoch() <= epoch_.epoch()) return Status::Ok();
     old = std::move(group_);
@@ -135,7 +135,7 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   }
   old.reset();
   if (epoch.shard_map().partitions_size() == 0 || epoch.server_count() == 0) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch.epoch() > epoch_.epoch()) epoch_ = epoch;
     return Status::Ok();
   }
@@ -178,7 +178,7 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), servers, std::move(handler),
                                                              /*start=*/false);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     // The epoch is adopted once its group is ready, so a caller that saw it
     // change can use it at once.
     if (epoch.epoch() <= epoch_.epoch()) return Status::Ok();
@@ -222,7 +222,7 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
   op->sent_ = std::chrono::steady_clock::now();
   header.request_id = next_request_.fetch_add(1);
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     group->ops[header.request_id] = op;
   }
   std::weak_ptr<Group> weak = group;
@@ -237,7 +237,7 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
     if (!g) return;
     std::shared_ptr<PsOp> failed;
     {
-      std::lock_guard lock(g->mu);
+      MutexLock lock(&g->mu);
       auto it = g->ops.find(id);
       if (it != g->ops.end()) {
         failed = it->second;
@@ -276,7 +276,7 @@ std::shared_ptr<PsOp> PsClient::Pull(uint32_t partition, uint64_t step, v1::Wire
 
 void* PsClient::PayloadBuffer(const std::shared_ptr<Group>& group, const ps::Frame& h) {
   if (h.type != ps::FrameType::kPullReply || h.status != 0) return nullptr;
-  std::lock_guard lock(group->mu);
+  MutexLock lock(&group->mu);
   auto it = group->ops.find(h.request_id);
   if (it == group->ops.end()) return nullptr;
   // Only straight into the caller's buffer when the sizes agree; otherwise
@@ -288,7 +288,7 @@ void PsClient::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::
   (void)rank;
   std::shared_ptr<PsOp> op;
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     auto it = group->ops.find(h.request_id);
     if (it == group->ops.end()) return;  // a reply to something dropped
     op = it->second;
@@ -312,7 +312,7 @@ void PsClient::OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const
   spdlog::warn("epoch {}: parameter server {} failed: {}", group->epoch, member, status.ToString());
   std::vector<std::shared_ptr<PsOp>> failed;
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     for (auto it = group->ops.begin(); it != group->ops.end();) {
       if (it->second->rank_ == rank) {
         failed.push_back(it->second);
@@ -342,7 +342,7 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
   v1::MembershipEpoch epoch;
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     epoch = epoch_;
     servers = servers_;
   }
@@ -367,7 +367,7 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
   // answering yet) and is retried still initialises their backups.
   std::set<uint32_t> won;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (init_won_epoch_ == epoch.epoch()) won = init_won_;
   }
   const auto send = [&](const std::map<uint64_t, std::vector<const v1::Partition*>>& held, bool primary) -> Status {
@@ -419,7 +419,7 @@ Result<int> PsClient::InitializeWith(const v1::InitializeParametersRequest& base
   };
   Status primaries_done = send(primaries, true);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (init_won_epoch_ != epoch.epoch()) init_won_.clear();
     init_won_epoch_ = epoch.epoch();
     init_won_.insert(won.begin(), won.end());
@@ -470,7 +470,7 @@ Result<std::vector<v1::CheckpointInfo>> PsClient::SaveCheckpoint(const std::stri
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   uint64_t epoch;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     servers = servers_;
     epoch = epoch_.epoch();
   }
@@ -513,7 +513,7 @@ Status PsClient::RestoreCheckpoint(const std::string& path, bool skip_optimizer_
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   uint64_t epoch;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     servers = servers_;
     epoch = epoch_.epoch();
   }
@@ -535,7 +535,7 @@ Status PsClient::RestoreCheckpoint(const std::string& path, bool skip_optimizer_
 Result<std::map<uint64_t, v1::GetStatsResponse>> PsClient::Stats(bool checksums) {
   std::map<uint64_t, std::shared_ptr<Server>> servers;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     servers = servers_;
   }
   std::map<uint64_t, v1::GetStatsResponse> out;

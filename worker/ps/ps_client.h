@@ -22,17 +22,16 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <set>
 #include <string>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/mutex.h"
 #include "common/ps_protocol.h"
 #include "common/rendezvous.h"
 #include "common/status.h"
@@ -85,8 +84,8 @@ class PsOp {
   // epoch's group is gone.
   std::function<transport::Transport::Progressed()> progress_;
 
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
+  mutable Mutex mu_;
+  CondVar cv_;
   bool done_ TANDEM_GUARDED_BY(mu_) = false;
   Status status_ TANDEM_GUARDED_BY(mu_);
   ps::Frame reply_;
@@ -174,7 +173,7 @@ class PsClient {
     transport::PsGroup group;
     std::map<uint64_t, uint32_t> server_rank;  // member id -> rank among the epoch's servers
     std::unique_ptr<transport::FrameChannel> channel;
-    std::mutex mu;
+    Mutex mu;
     std::map<uint64_t, std::shared_ptr<PsOp>> ops TANDEM_GUARDED_BY(mu);
   };
   struct Server {
@@ -195,7 +194,7 @@ class PsClient {
   std::unique_ptr<grpc::ClientContext> Context() const;
 
   const PsClientOptions options_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::shared_ptr<Group> group_ TANDEM_GUARDED_BY(mu_);
   v1::MembershipEpoch epoch_ TANDEM_GUARDED_BY(mu_);
   std::map<uint64_t, std::shared_ptr<Server>> servers_ TANDEM_GUARDED_BY(mu_);  // by member id
