@@ -7,11 +7,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cstring>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
@@ -25,6 +23,7 @@
 #include "common/clock.h"
 #include "common/coordinator_rendezvous.h"
 #include "common/member_session.h"
+#include "common/mutex.h"
 #include "coordinator/assignment.h"
 #include "coordinator/coordinator_core.h"
 #include "coordinator/coordinator_service.h"
@@ -280,13 +279,13 @@ TEST(DeriveGroupsTest, RejectsInconsistentEpochs) {
 struct Table {
   explicit Table(int n) : size(n) {}
   const int size;
-  std::mutex mu;
-  std::condition_variable cv;
+  Mutex mu;
+  CondVar cv;
   struct Slot {
     std::vector<std::optional<std::string>> blobs;
     int taken = 0;
   };
-  std::map<uint64_t, Slot> slots;
+  std::map<uint64_t, Slot> slots TANDEM_GUARDED_BY(mu);
 };
 
 class TestComm : public Communicator {
@@ -312,24 +311,24 @@ class TestComm : public Communicator {
   Status DoSend(int, const void*, size_t) override { return Unsupported(); }
   Status DoRecv(int, void*, size_t) override { return Unsupported(); }
   void OnAbort() override {
-    std::lock_guard lock(table_->mu);
-    table_->cv.notify_all();
+    MutexLock lock(&table_->mu);
+    table_->cv.NotifyAll();
   }
 
  private:
   static Status Unsupported() { return Unimplemented("not in the test communicator"); }
 
   Result<std::vector<std::string>> Exchange(uint64_t seq, std::string blob) {
-    std::unique_lock lock(table_->mu);
+    MutexLock lock(&table_->mu);
     auto& slot = table_->slots[seq];
     if (slot.blobs.empty()) slot.blobs.resize(static_cast<size_t>(size()));
     slot.blobs[static_cast<size_t>(rank())] = std::move(blob);
-    table_->cv.notify_all();
+    table_->cv.NotifyAll();
     const auto deadline = Clock::now() + timeout();
     while (true) {
       if (aborted()) return health();
       if (std::all_of(slot.blobs.begin(), slot.blobs.end(), [](const auto& b) { return b.has_value(); })) break;
-      if (table_->cv.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) {
+      if (!table_->cv.WaitUntil(lock, deadline) && Clock::now() >= deadline) {
         return DeadlineExceeded("collective {} of {} timed out", seq, name());
       }
     }
@@ -362,7 +361,7 @@ class TestBackend {
       }
       std::shared_ptr<Table> table;
       {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         auto& t = tables_[key];
         if (t == nullptr) t = std::make_shared<Table>(info.size);
         table = t;
@@ -372,15 +371,15 @@ class TestBackend {
     };
   }
   int built() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     return built_;
   }
   std::string fail_group;  // set before building
 
  private:
-  std::mutex mu_;
-  std::map<std::string, std::shared_ptr<Table>> tables_;
-  int built_ = 0;
+  Mutex mu_;
+  std::map<std::string, std::shared_ptr<Table>> tables_ TANDEM_GUARDED_BY(mu_);
+  int built_ TANDEM_GUARDED_BY(mu_) = 0;
 };
 
 template <typename Fn>
@@ -772,39 +771,39 @@ TEST(MemberSessionProgressTest, AMemberStuckInAnEpochHearsOfTheNewerOneFromItsHe
   v1::JobSpec spec = TestCoordinator::Spec("n", 1);
   spec.set_max_workers(2);
   ASSERT_TRUE(coordinator.core().CreateJob(spec).ok());
-  std::mutex mu;
-  std::condition_variable cv;
+  Mutex mu;
+  CondVar cv;
   uint64_t newer = 0;
   std::vector<uint64_t> handled;
   MemberSessionOptions options = WorkerSessionOptions("n", "host-a");
   options.on_epoch = [&](const v1::MembershipEpoch& epoch) {
-    std::unique_lock lock(mu);
+    MutexLock lock(&mu);
     handled.push_back(epoch.epoch());
-    cv.notify_all();
+    cv.NotifyAll();
     if (handled.size() == 1) {
       // Stuck until told of a newer epoch (or 20 s, which fails the test).
-      cv.wait_for(lock, std::chrono::seconds(20), [&] { return newer > epoch.epoch(); });
+      cv.WaitFor(lock, std::chrono::seconds(20), [&] { return newer > epoch.epoch(); });
       return Cancelled("epoch {} was superseded", epoch.epoch());
     }
     return Status::Ok();
   };
   options.on_newer_epoch = [&](uint64_t latest) {
-    std::lock_guard lock(mu);
+    MutexLock lock(&mu);
     newer = std::max(newer, latest);
-    cv.notify_all();
+    cv.NotifyAll();
   };
   MemberSession session(coordinator.channel(), options);
   {
-    std::unique_lock lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(5), [&] { return !handled.empty(); }));
+    MutexLock lock(&mu);
+    ASSERT_TRUE(cv.WaitFor(lock, std::chrono::seconds(5), [&] { return !handled.empty(); }));
   }
   const uint64_t first = coordinator.WaitEpoch("n");
   ASSERT_NE(first, 0u);
   // A second worker joins: a newer epoch, which the stuck member hears of.
   const auto joined_at = Clock::now();
   coordinator.Register("n", "host-b");
-  std::unique_lock lock(mu);
-  ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(10), [&] { return handled.size() >= 2; }))
+  MutexLock lock(&mu);
+  ASSERT_TRUE(cv.WaitFor(lock, std::chrono::seconds(10), [&] { return handled.size() >= 2; }))
       << "newer epoch heard: " << newer;
   EXPECT_GT(newer, first);
   EXPECT_GT(handled.back(), first);

@@ -9,18 +9,17 @@
 #include "worker/nccl/nccl_communicator.h"
 
 #include <chrono>
-#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "common/mutex.h"
 #include "common/rendezvous.h"
 #include "tandem/config.h"
 #include "worker/collectives/dtype.h"
@@ -317,20 +316,20 @@ class StreamGate {
     return Status::Ok();
   }
   void Open() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     open_ = true;
-    cv_.notify_all();
+    cv_.NotifyAll();
   }
 
  private:
   static void Hold(void* self) {
     auto* gate = static_cast<StreamGate*>(self);
-    std::unique_lock lock(gate->mu_);
-    gate->cv_.wait(lock, [gate] { return gate->open_; });
+    MutexLock lock(&gate->mu_);
+    gate->cv_.Wait(lock, [gate]() TANDEM_REQUIRES(gate->mu_) { return gate->open_; });
   }
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool open_ = false;
+  Mutex mu_;
+  CondVar cv_;
+  bool open_ TANDEM_GUARDED_BY(mu_) = false;
 };
 
 TEST_F(NcclGpuTest, ReportsTheGpuBackend) {

@@ -25,6 +25,7 @@
 
 #include <gtest/gtest.h>
 
+#include "common/mutex.h"
 #include "common/optimizer/gradient.h"
 #include "common/optimizer/thread_pool.h"
 #include "optimizer_reference.h"
@@ -739,7 +740,7 @@ TEST(ThreadPoolTest, CoversEveryIndexOnceInAlignedChunksOfAtLeastTheGrain) {
 
 TEST(ThreadPoolTest, UsesThePoolThreadsAndTheCaller) {
   ThreadPool pool(3);
-  std::mutex mu;
+  Mutex mu;
   std::map<std::thread::id, int> seen;
   std::atomic<int> running{0};
   std::atomic<int> most{0};
@@ -751,7 +752,7 @@ TEST(ThreadPoolTest, UsesThePoolThreadsAndTheCaller) {
     // Wait a little for the others, so all three threads get a chunk.
     for (int i = 0; i < 2000 && most.load() < 3; ++i) std::this_thread::sleep_for(std::chrono::microseconds(100));
     --running;
-    std::lock_guard lock(mu);
+    MutexLock lock(&mu);
     ++seen[std::this_thread::get_id()];
   });
   EXPECT_EQ(most.load(), 3);

@@ -9,7 +9,6 @@
 #include <chrono>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <random>
 #include <regex>
 #include <set>
@@ -23,6 +22,7 @@
 #include "common/coordinator_rendezvous.h"
 #include "common/health.h"
 #include "common/member_session.h"
+#include "common/mutex.h"
 #include "test_util.h"
 #include "worker/ps/ps_client.h"
 
@@ -83,7 +83,7 @@ class PsWorker {
     options.timeout = std::chrono::milliseconds(20000);
     options.ucx.net_devices = kTestNetDevices;
     options.on_answered = [this](bool pull, uint32_t server, uint64_t bytes, double seconds) {
-      std::lock_guard lock(answered_mu_);
+      MutexLock lock(&answered_mu_);
       auto& a = pull ? pulls_ : pushes_;
       ++a.count;
       a.bytes += bytes;
@@ -133,11 +133,11 @@ class PsWorker {
     uint64_t negative_seconds = 0;
   };
   Answered pushes() const {
-    std::lock_guard lock(answered_mu_);
+    MutexLock lock(&answered_mu_);
     return pushes_;
   }
   Answered pulls() const {
-    std::lock_guard lock(answered_mu_);
+    MutexLock lock(&answered_mu_);
     return pulls_;
   }
 
@@ -211,8 +211,9 @@ class PsWorker {
   const std::string job_;
   const uint32_t index_;
   const uint32_t contributors_;
-  mutable std::mutex answered_mu_;  // before client_, whose callbacks use it
-  Answered pushes_, pulls_;
+  mutable Mutex answered_mu_;  // before client_, whose callbacks use it
+  Answered pushes_ TANDEM_GUARDED_BY(answered_mu_);
+  Answered pulls_ TANDEM_GUARDED_BY(answered_mu_);
   std::unique_ptr<worker::PsClient> client_;
   std::atomic<MemberSession*> session_{nullptr};
   std::unique_ptr<MemberSession> owned_;
