@@ -30,7 +30,7 @@ using optim::WireBytes;
 using namespace store_internal;  // NOLINT(google-build-using-namespace)
 
 Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(const ps::Frame& h, bool primary) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server (InitializeParameters)");
   if (h.epoch < epoch_) {
     return FailedPrecondition("epoch {} is stale: this server is at epoch {}; rebuild with the current shard map",
@@ -46,8 +46,8 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
     return FailedPrecondition("partition {} is not held by this server (member {}) in epoch {}", h.partition,
                               member_id_, epoch_);
   }
-  std::lock_guard plock(it->second->mu);
-  const Part& part = *it->second;
+  Part& part = *it->second;
+  MutexLock plock(&part.mu);
   if (primary && part.role != v1::REPLICA_ROLE_PRIMARY) {
     return FailedPrecondition("this server (member {}) is not the primary of partition {} in epoch {} (member {} is)",
                               member_id_, h.partition, epoch_, part.primary);
@@ -64,7 +64,7 @@ Result<std::shared_ptr<ParameterStore::Part>> ParameterStore::CheckDataFrame(con
 std::shared_ptr<std::vector<float>> ParameterStore::Buffer(size_t n) {
   std::unique_ptr<std::vector<float>> v;
   {
-    std::lock_guard lock(spares_->mu);
+    MutexLock lock(&spares_->mu);
     auto& free = spares_->free;
     auto it = std::find_if(free.begin(), free.end(), [n](const auto& b) { return b->size() == n; });
     if (it != free.end()) {
@@ -79,7 +79,7 @@ std::shared_ptr<std::vector<float>> ParameterStore::Buffer(size_t n) {
     auto spares = home.lock();
     if (!spares) return;
     const size_t bytes = buffer->size() * sizeof(float);
-    std::lock_guard lock(spares->mu);
+    MutexLock lock(&spares->mu);
     if (spares->bytes + bytes > kMaxSpareBytes || spares->free.size() >= kMaxSpares) return;
     spares->bytes += bytes;
     spares->free.push_back(std::move(buffer));
@@ -94,8 +94,8 @@ std::shared_ptr<std::vector<float>> ParameterStore::PushBuffer(const ps::Frame& 
   // updates hold); without a buffer the push is received and copied.
   std::shared_ptr<Part> part;
   {
-    std::unique_lock lock(mu_, std::try_to_lock);
-    if (!lock.owns_lock()) return nullptr;
+    if (!mu_.TryLock()) return nullptr;
+    MutexLock lock(&mu_, std::adopt_lock);
     auto it = parts_.find(h.partition);
     if (it != parts_.end()) part = it->second;
   }
@@ -146,114 +146,114 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
   uint32_t dp;
   uint64_t epoch, start_step;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     consistency = consistency_;
     policy = optimizer_->non_finite_policy();
     dp = dp_size_;
     epoch = epoch_;
     start_step = start_step_;
   }
-  std::shared_ptr<Part> part = checked.ok() ? *checked : nullptr;
-  std::unique_lock<std::mutex> plock;
-  if (part) plock = std::unique_lock(part->mu);
   counters_.pushes.fetch_add(1);
   counters_.push_bytes.fetch_add(h.payload_bytes);
-  auto refuse = [&](const Status& status) {
-    if (plock.owns_lock()) plock.unlock();
+  if (!checked.ok()) {
     counters_.rejected_pushes.fetch_add(1);
     std::vector<char> body;
-    ps::Frame r = Refusal(h, status, &body);
-    reply(r, std::move(body));
-  };
-  if (!checked.ok()) return refuse(checked.status());
-  if (!ValidWireDType(h.dtype)) return refuse(InvalidArgument("dtype {} is not a wire dtype", h.dtype));
+    ps::Frame r = Refusal(h, checked.status(), &body);
+    return reply(r, std::move(body));
+  }
+  PushIn in{from, h, payload, buffer, reply, epoch};
+  if (IsSync(consistency)) return PushSync(in, **checked, policy);
+  PushAsync(in, **checked, consistency, policy, dp, start_step);
+}
+
+Status ParameterStore::TakePushLocked(Part& part, const ps::Frame& h) {
+  if (!ValidWireDType(h.dtype)) return InvalidArgument("dtype {} is not a wire dtype", h.dtype);
   if (h.contributors == 0 || h.contributors > kMaxContributors) {
-    return refuse(InvalidArgument("contributors: {} must be 1 to {}", h.contributors, kMaxContributors));
+    return InvalidArgument("contributors: {} must be 1 to {}", h.contributors, kMaxContributors);
   }
   if (h.contributor >= h.contributors) {
-    return refuse(InvalidArgument("contributor {} is not below contributors ({})", h.contributor, h.contributors));
+    return InvalidArgument("contributor {} is not below contributors ({})", h.contributor, h.contributors);
   }
-  if (h.step == 0) return refuse(InvalidArgument("step: must be >= 1 (step 1 is the first update)"));
-  if (Status lr = Optimizer::CheckStepLearningRate(h.value); !lr.ok()) return refuse(lr);
-
-  const size_t n = part->state.size();
+  if (h.step == 0) return InvalidArgument("step: must be >= 1 (step 1 is the first update)");
+  TANDEM_RETURN_IF_ERROR(Optimizer::CheckStepLearningRate(h.value));
+  const size_t n = part.state.size();
   if (h.payload_bytes != WireBytes(Wire(h.dtype), n)) {
-    return refuse(InvalidArgument("payload is {} bytes, partition {} needs {} ({} elements of {})", h.payload_bytes,
-                                  h.partition, WireBytes(Wire(h.dtype), n), n, v1::WireDType_Name(Wire(h.dtype))));
+    return InvalidArgument("payload is {} bytes, partition {} needs {} ({} elements of {})", h.payload_bytes,
+                           h.partition, WireBytes(Wire(h.dtype), n), n, v1::WireDType_Name(Wire(h.dtype)));
   }
-  part->pushes++;
-  part->bytes_pushed += h.payload_bytes;
-
-  PushIn in{from, h, payload, buffer, reply, *part, plock, epoch};
-  if (IsSync(consistency)) return PushSync(in, policy);
-  PushAsync(in, consistency, policy, dp, start_step);
+  part.pushes++;
+  part.bytes_pushed += h.payload_bytes;
+  return Status::Ok();
 }
 
 void ParameterStore::RefusePush(PushIn& in, const Status& status) {
-  if (in.plock.owns_lock()) in.plock.unlock();
   counters_.rejected_pushes.fetch_add(1);
   std::vector<char> body;
   ps::Frame r = Refusal(in.h, status, &body);
   in.reply(r, std::move(body));
 }
 
-void ParameterStore::PushSync(PushIn& in, v1::NonFinitePolicy policy) {
+void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy) {
   const uint64_t from = in.from;
   const ps::Frame& h = in.h;
-  Part* part = &in.part;
-  std::unique_lock<std::mutex>& plock = in.plock;
+  MutexLock plock(&part.mu);
   Reply& reply = in.reply;
   const uint64_t epoch = in.epoch;
-  const size_t n = part->state.size();
+  const size_t n = part.state.size();
   ps::Frame ok = ps::ReplyTo(h, ps::FrameType::kPushReply);
   const void* payload = in.payload;
   std::shared_ptr<std::vector<float>>& buffer = in.buffer;
-  auto refuse = [&](const Status& status) { RefusePush(in, status); };
-  if (h.step <= part->state.step) {
+  // The lambda releases the lock the analysis sees held until the end.
+  auto refuse = [&](const Status& status) TANDEM_NO_THREAD_SAFETY_ANALYSIS {
+    plock.Unlock();
+    RefusePush(in, status);
+  };
+  if (Status taken = TakePushLocked(part, h); !taken.ok()) return refuse(taken);
+  if (h.step <= part.state.step) {
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
-    const bool retried = h.step == part->state.step;
-    plock.unlock();
+    const bool retried = h.step == part.state.step;
+    plock.Unlock();
     reply(ok, {});
     // A step retried in a new epoch that this partition already applied:
     // its share is still needed by the servers that did not.
     if (retried) ShareStep(epoch, h.step);
     return;
   }
-  if (h.step > part->state.step + 1) {
+  if (h.step > part.state.step + 1) {
     return refuse(FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}",
-                                     h.step, h.partition, part->state.step, part->state.step + 1));
+                                     h.step, h.partition, part.state.step, part.state.step + 1));
   }
-  if (part->agg_epoch != epoch || part->agg_step != h.step) {
-    part->agg_epoch = epoch;
-    part->agg_step = h.step;
-    part->contributors = h.contributors;
-    part->folded = 0;
-    part->seen.assign(h.contributors, false);
-    part->early.clear();
-    part->ready = false;
-    SetScanPending(*part, false);
+  if (part.agg_epoch != epoch || part.agg_step != h.step) {
+    part.agg_epoch = epoch;
+    part.agg_step = h.step;
+    part.contributors = h.contributors;
+    part.folded = 0;
+    part.seen.assign(h.contributors, false);
+    part.early.clear();
+    part.ready = false;
+    SetScanPending(part, false);
     // Still read by a replication in flight: the next step gets its own.
     // (The first contribution overwrites it, or becomes it.)
-    if (!part->acc || part->acc.use_count() > 1 || part->acc->size() != n) part->acc = Buffer(n);
-    part->first_push = std::chrono::steady_clock::now();
+    if (!part.acc || part.acc.use_count() > 1 || part.acc->size() != n) part.acc = Buffer(n);
+    part.first_push = std::chrono::steady_clock::now();
   }
-  if (h.contributors != part->contributors) {
+  if (h.contributors != part.contributors) {
     return refuse(InvalidArgument("contributors: this push says {}, earlier pushes of the step said {}", h.contributors,
-                                  part->contributors));
+                                  part.contributors));
   }
   // The step's learning rate is the first taken push's; every other push
   // of the step (a contributor's second one too) must carry it.
-  if (part->folded == 0 && part->early.empty()) {
-    part->agg_lr = h.value;
-  } else if (h.value != part->agg_lr) {
+  if (part.folded == 0 && part.early.empty()) {
+    part.agg_lr = h.value;
+  } else if (h.value != part.agg_lr) {
     return refuse(InvalidArgument("push of step {} carries learning rate {}, but the step's other pushes carry {}",
-                                  h.step, h.value, part->agg_lr));
+                                  h.step, h.value, part.agg_lr));
   }
-  if (part->seen[h.contributor]) {
+  if (part.seen[h.contributor]) {
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
-    plock.unlock();
+    plock.Unlock();
     reply(ok, {});
     return;
   }
@@ -268,16 +268,16 @@ void ParameterStore::PushSync(PushIn& in, v1::NonFinitePolicy policy) {
       return refuse(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses the step)"));
     }
   }
-  part->seen[h.contributor] = true;
-  if (h.contributor == part->folded) {
-    FoldLocked(*part, h.dtype, payload, buffer);
+  part.seen[h.contributor] = true;
+  if (h.contributor == part.folded) {
+    FoldLocked(part, h.dtype, payload, buffer);
   } else {
     const auto* bytes = static_cast<const char*>(payload);
-    part->early.emplace(h.contributor, std::make_pair(h.dtype, std::vector<char>(bytes, bytes + h.payload_bytes)));
+    part.early.emplace(h.contributor, std::make_pair(h.dtype, std::vector<char>(bytes, bytes + h.payload_bytes)));
   }
-  const bool complete = part->folded == part->contributors;
+  const bool complete = part.folded == part.contributors;
   if (!complete) {
-    plock.unlock();
+    plock.Unlock();
     reply(ok, {});
     return;
   }
@@ -286,50 +286,54 @@ void ParameterStore::PushSync(PushIn& in, v1::NonFinitePolicy policy) {
   // scans wait until every partition here has the step (ScanStep), so that
   // they do not hold up the pushes of the others; until its scan is done a
   // partition is not ready, so nothing shares or decides the step.
-  const std::shared_ptr<std::vector<float>> acc = part->acc;
-  plock.unlock();
+  const std::shared_ptr<std::vector<float>> acc = part.acc;
+  plock.Unlock();
   reply(ok, {});
-  FinishAggregation(*part, acc, epoch, h.step);
+  FinishAggregation(part, acc, epoch, h.step);
   return;
 }
 
-void ParameterStore::PushAsync(PushIn& in, const v1::ConsistencyConfig& consistency, v1::NonFinitePolicy policy,
-                               uint32_t dp, uint64_t start_step) {
+void ParameterStore::PushAsync(PushIn& in, Part& part, const v1::ConsistencyConfig& consistency,
+                               v1::NonFinitePolicy policy, uint32_t dp, uint64_t start_step) {
   const ps::Frame& h = in.h;
-  Part* part = &in.part;
-  std::unique_lock<std::mutex>& plock = in.plock;
+  MutexLock plock(&part.mu);
   Reply& reply = in.reply;
   const uint64_t epoch = in.epoch;
-  const size_t n = part->state.size();
+  const size_t n = part.state.size();
   Actions actions;
   ps::Frame ok = ps::ReplyTo(h, ps::FrameType::kPushReply);
   const void* payload = in.payload;
   std::shared_ptr<std::vector<float>>& buffer = in.buffer;
-  auto refuse = [&](const Status& status) { RefusePush(in, status); };
+  // The lambda releases the lock the analysis sees held until the end.
+  auto refuse = [&](const Status& status) TANDEM_NO_THREAD_SAFETY_ANALYSIS {
+    plock.Unlock();
+    RefusePush(in, status);
+  };
+  if (Status taken = TakePushLocked(part, h); !taken.ok()) return refuse(taken);
   // Asynchronous and bounded staleness: apply now. The contributors'
   // clocks start with the epoch's first push or pull; a push that names
   // another count is refused rather than restarting them (which would let
   // duplicates in again and lose the staleness bound).
-  const bool first_clocks = part->clocks.empty();
-  if (first_clocks) part->clocks.assign(h.contributors, start_step);
-  if (part->clocks.size() != h.contributors) {
+  const bool first_clocks = part.clocks.empty();
+  if (first_clocks) part.clocks.assign(h.contributors, start_step);
+  if (part.clocks.size() != h.contributors) {
     return refuse(InvalidArgument("contributors: this push says {}, earlier pushes and pulls of epoch {} said {}",
-                                  h.contributors, epoch, part->clocks.size()));
+                                  h.contributors, epoch, part.clocks.size()));
   }
   // A refused push leaves no clocks behind, so it cannot fix the epoch's
   // contributor count either.
-  auto refuse_async = [&](const Status& status) {
-    if (first_clocks) part->clocks.clear();
+  auto refuse_async = [&](const Status& status) TANDEM_REQUIRES(part.mu) {
+    if (first_clocks) part.clocks.clear();
     return refuse(status);
   };
-  if (h.step <= part->clocks[h.contributor]) {
+  if (h.step <= part.clocks[h.contributor]) {
     counters_.duplicate_pushes.fetch_add(1);
     ok.flags = ps::kFlagDuplicate;
-    plock.unlock();
+    plock.Unlock();
     reply(ok, {});
     return;
   }
-  const uint64_t slowest = *std::min_element(part->clocks.begin(), part->clocks.end());
+  const uint64_t slowest = *std::min_element(part.clocks.begin(), part.clocks.end());
   if (consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS &&
       h.step > slowest + consistency.staleness_bound() + 1) {
     return refuse_async(FailedPrecondition(
@@ -343,42 +347,42 @@ void ParameterStore::PushAsync(PushIn& in, const v1::ConsistencyConfig& consiste
     grad = Buffer(n);
     AccumulateWire(grad->data(), payload, Wire(h.dtype), n, true);
   }
-  const uint64_t clock_before = part->clocks[h.contributor];
-  part->clocks[h.contributor] = h.step;
-  counters_.staleness_last.store(part->state.step > h.step - 1 ? part->state.step - (h.step - 1) : 0);
-  const GradScan scan = ScanForNorm(grad->data(), n, part->segments);
+  const uint64_t clock_before = part.clocks[h.contributor];
+  part.clocks[h.contributor] = h.step;
+  counters_.staleness_last.store(part.state.step > h.step - 1 ? part.state.step - (h.step - 1) : 0);
+  const GradScan scan = ScanForNorm(grad->data(), n, part.segments);
   ps::Frame rep;
   rep.type = ps::FrameType::kReplica;
   rep.partition = h.partition;
   rep.epoch = epoch;
-  rep.version = part->state.version;
+  rep.version = part.state.version;
   if (!scan.finite) {
     if (policy == v1::NON_FINITE_POLICY_FAIL) {
-      part->clocks[h.contributor] = clock_before;  // refused: as if it never came
+      part.clocks[h.contributor] = clock_before;  // refused: as if it never came
       return refuse_async(InvalidArgument("the gradient contains NaN or Inf (non_finite_policy FAIL refuses it)"));
     }
     counters_.skipped_steps.fetch_add(1);
     rep.flags = ps::kFlagSkip;
-    part->state.step += 1;
+    part.state.step += 1;
     grad.reset();
     ok.flags = ps::kFlagSkip;
   } else {
     rep.value = opt_.load()->reduction() == v1::GRADIENT_REDUCTION_SUM ? 1.0 : 1.0 / dp;
     ps::SetReplicaLearningRate(rep, h.value);
-    ApplyLocked(*part, grad->data(), rep.value, h.value);
-    part->state.step += 1;
+    ApplyLocked(part, grad->data(), rep.value, h.value);
+    part.state.step += 1;
   }
-  rep.step = part->state.step;
-  ok.step = part->state.step;
-  ok.version = part->state.version;
-  part->push_acks.emplace_back(part->state.step, [reply, ok](ps::Frame r, ReplyBody body) {
+  rep.step = part.state.step;
+  ok.step = part.state.step;
+  ok.version = part.state.version;
+  part.push_acks.emplace_back(part.state.step, [reply, ok](ps::Frame r, ReplyBody body) {
     if (r.status == 0) r = ok;
     reply(r, std::move(body));
   });
-  ReplicateLocked(*part, rep, grad, actions);
-  ServePullsLocked(*part, actions);
-  const uint64_t completed = part->state.step;
-  plock.unlock();
+  ReplicateLocked(part, rep, grad, actions);
+  ServePullsLocked(part, actions);
+  const uint64_t completed = part.state.step;
+  plock.Unlock();
   Run(actions);
   StepCompleted(h.partition, completed);
 }
@@ -386,7 +390,7 @@ void ParameterStore::PushAsync(PushIn& in, const v1::ConsistencyConfig& consiste
 void ParameterStore::FinishAggregation(Part& part, const std::shared_ptr<std::vector<float>>& acc, uint64_t epoch,
                                        uint64_t step) {
   {
-    std::lock_guard plock(part.mu);
+    MutexLock plock(&part.mu);
     // Replaced meanwhile (a new epoch dropped the step's pushes: its
     // contributors retry the step there).
     if (!Complete(part, epoch, step) || part.acc != acc) return;
@@ -415,19 +419,19 @@ void ParameterStore::ScanStep(uint64_t epoch, uint64_t step) {
   };
   std::vector<Claim> claims;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch != epoch_) return;
     // Once every primary partition here has the step (or applied it
     // before), whoever gets here first claims the scans.
     for (auto& [id, part] : parts_) {
-      std::lock_guard plock(part->mu);
+      MutexLock plock(&part->mu);
       if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
       const bool has_step = part->state.step >= step || (part->agg_epoch == epoch && part->agg_step == step &&
                                                          (part->ready || Complete(*part, epoch, step)));
       if (!has_step) return;  // the push that completes the last one scans
     }
     for (auto& [id, part] : parts_) {
-      std::lock_guard plock(part->mu);
+      MutexLock plock(&part->mu);
       if (part->role != v1::REPLICA_ROLE_PRIMARY || !part->scan_pending || !Complete(*part, epoch, step)) continue;
       SetScanPending(*part, false);
       claims.push_back(Claim{part, part->acc, part->segments, {}});
@@ -438,7 +442,7 @@ void ParameterStore::ScanStep(uint64_t epoch, uint64_t step) {
   // buffer of its own while this one is held), so it is read unlocked.
   for (Claim& c : claims) c.scan = ScanForNorm(c.acc->data(), c.acc->size(), c.segments);
   for (Claim& c : claims) {
-    std::lock_guard plock(c.part->mu);
+    MutexLock plock(&c.part->mu);
     if (!Complete(*c.part, epoch, step) || c.part->acc != c.acc) continue;  // a new epoch dropped it
     c.part->ready = true;
     c.part->last_share = ps::ShareEntry{c.part->state.id, c.scan.finite ? 1u : 0u, c.scan.sum_squares};
@@ -468,13 +472,13 @@ void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scal
 }
 
 void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions) {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (epoch != epoch_) return;
   auto found = rounds_.find({epoch, step});
   if (found != rounds_.end() && found->second.shared) return;
   std::vector<ps::ShareEntry> entries;
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
     const bool decided_before = part->state.step == step;  // share it again
     const bool aggregated =
@@ -503,7 +507,7 @@ void ParameterStore::Share(uint64_t from, const ps::Frame& h, const void* payloa
   if (n > 0) std::memcpy(entries.data(), payload, n * sizeof(ps::ShareEntry));
   Actions actions;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (h.epoch < epoch_) {
       // Only a round kept from an old epoch still takes its shares.
       auto it = rounds_.find({h.epoch, h.step});
@@ -557,7 +561,7 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
   }
   std::vector<std::shared_ptr<Part>> parts;
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->role == v1::REPLICA_ROLE_PRIMARY && part->agg_epoch == epoch && part->agg_step == step && part->ready &&
         part->state.step + 1 == step) {
       parts.push_back(part);
@@ -578,6 +582,7 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
   // takes the partition over must not die of the same failpoint.
   const bool crash_here = !crash_primary_of.has_value() ||
                           (epoch == 1 && std::any_of(parts.begin(), parts.end(), [&](const std::shared_ptr<Part>& p) {
+                             MutexLock lock(&p->mu);
                              return p->state.id == *crash_primary_of;
                            }));
   if (!parts.empty() && FailpointNumber("ps.crash_on_decide") == step && crash_here) {
@@ -600,7 +605,7 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
     Run(actions);
     // A step decided in an old epoch replicates in the current one.
     const uint64_t current = this->epoch();
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->agg_epoch != epoch || part->agg_step != step || !part->ready || part->state.step + 1 != step) continue;
     ps::Frame rep;
     rep.type = ps::FrameType::kReplica;

@@ -30,28 +30,28 @@ using namespace store_internal;  // NOLINT(google-build-using-namespace)
 
 void ParameterStore::StopCaptures() {
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     captures_stopped_ = true;
     for (auto& capture : captures_) capture->failed = Unavailable("the server is shutting down");
     captures_.clear();
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::milliseconds timeout) {
   auto request = std::make_shared<CaptureRequest>();
   std::vector<std::shared_ptr<Part>> parts;
-  std::unique_lock lock(mu_);
+  MutexLock lock(&mu_);
   if (captures_stopped_) return Unavailable("the server is shutting down");
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->role == v1::REPLICA_ROLE_PRIMARY) parts.push_back(part);
   }
   if (parts.empty()) return Capture{step, {}};
   uint64_t lo = UINT64_MAX, hi = 0;
   for (auto& part : parts) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->state.version == 0) {
       return FailedPrecondition("partition {} has no state (it was never initialised or was lost)", part->state.id);
     }
@@ -73,13 +73,13 @@ Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::millisecon
   request->step = step;
   request->result.step = step;
   for (auto& part : parts) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     request->expected.insert(part->state.id);
     if (part->state.step == step) request->result.partitions.push_back(part->state);
   }
   if (!request->done()) {
     captures_.push_back(request);
-    const bool ok = changed_.wait_for(lock, timeout, [&] { return request->done(); });
+    const bool ok = changed_.WaitFor(lock, timeout, [&] { return request->done(); });
     captures_.erase(std::remove(captures_.begin(), captures_.end(), request), captures_.end());
     if (!ok) {
       return DeadlineExceeded("step {} was not reached within {} ms ({} of {} partitions there)", step, timeout.count(),
@@ -96,7 +96,7 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
   // Called without part locks held; copies state for waiting captures.
   std::shared_ptr<Part> part;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     bool wanted = false;
     for (size_t i = 0; i < captures_.size(); ++i) {
       wanted = wanted || (captures_[i]->step == step && captures_[i]->expected.count(partition) > 0);
@@ -105,7 +105,7 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
       auto it = parts_.find(partition);
       if (it != parts_.end()) part = it->second;
       if (part) {
-        std::lock_guard plock(part->mu);
+        MutexLock plock(&part->mu);
         for (auto& c : captures_) {
           if (c->step != step || c->expected.count(partition) == 0 || !c->failed.ok()) continue;
           if (part->state.step == step) {
@@ -118,13 +118,13 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
       }
     }
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
 }
 
 Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_optimizer_state) {
   int buffers = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
     buffers = optimizer_->state_buffers();
   }
@@ -132,7 +132,7 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
   for (auto& s : states) {
     auto part = Find(s.id);
     if (!part) return FailedPrecondition("partition {} is not held by this server", s.id);
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->state.begin != s.begin || part->state.end != s.end || s.weights.size() != s.size()) {
       return InvalidArgument("partition {}: restored range [{}, {}) does not match [{}, {})", s.id, s.begin, s.end,
                              part->state.begin, part->state.end);
@@ -143,7 +143,7 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
   for (size_t i = 0; i < states.size(); ++i) {
     auto& s = states[i];
     Part& part = *parts[i];
-    std::lock_guard plock(part.mu);
+    MutexLock plock(&part.mu);
     if (skip_optimizer_state || s.state0.size() != (buffers >= 1 ? s.size() : 0) ||
         s.state1.size() != (buffers >= 2 ? s.size() : 0)) {
       s.state0.assign(buffers >= 1 ? s.size() : 0, 0.0f);

@@ -69,18 +69,18 @@ ps::Frame ParameterStore::ErrorReply(const ps::Frame& request, ps::FrameType typ
 }
 
 std::shared_ptr<ParameterStore::Part> ParameterStore::Find(uint32_t partition) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   auto it = parts_.find(partition);
   return it == parts_.end() ? nullptr : it->second;
 }
 
 uint64_t ParameterStore::epoch() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return epoch_;
 }
 
 bool ParameterStore::configured() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return configured_;
 }
 

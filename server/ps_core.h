@@ -64,17 +64,16 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "common/mutex.h"
 #include "common/optimizer/gradient.h"
 #include "common/optimizer/optimizer.h"
 #include "common/optimizer/thread_pool.h"
@@ -288,7 +287,7 @@ class ParameterStore {
     ~Part() {
       if (lent) lent->buffer = std::move(state.weights);
     }
-    std::mutex mu;
+    Mutex mu;
     PartitionState state TANDEM_GUARDED_BY(mu);
     // state.size(), readable without the lock (PushBuffer).
     std::atomic<uint64_t> elements{0};
@@ -356,25 +355,26 @@ class ParameterStore {
   // from).
   void PushImpl(uint64_t from, const ps::Frame& header, const void* payload,
                 std::shared_ptr<std::vector<float>>& buffer, Reply& reply);
-  // A push being taken in, its partition locked (plock) and checked.
+  // A push being taken in.
   struct PushIn {
     uint64_t from;
     const ps::Frame& h;
     const void* payload;
     std::shared_ptr<std::vector<float>>& buffer;
     Reply& reply;
-    Part& part;
-    std::unique_lock<std::mutex>& plock;
     uint64_t epoch;
   };
-  // Answers the push with `status`'s error (unlocking the partition first).
+  // Answers the push with `status`'s error.
   void RefusePush(PushIn& in, const Status& status);
+  // Checks what every push must be (dtype, contributors, step, learning
+  // rate, size) against the partition, and counts it in.
+  Status TakePushLocked(Part& part, const ps::Frame& h) TANDEM_REQUIRES(part.mu);
   // Sync mode: folds the push into its step's aggregation in contributor
   // order; the push that completes it goes on with the step's scan.
-  void PushSync(PushIn& in, v1::NonFinitePolicy policy);
+  void PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy) TANDEM_EXCLUDES(part.mu);
   // Asynchronous and bounded-staleness modes: applies the push now.
-  void PushAsync(PushIn& in, const v1::ConsistencyConfig& consistency, v1::NonFinitePolicy policy, uint32_t dp,
-                 uint64_t start_step);
+  void PushAsync(PushIn& in, Part& part, const v1::ConsistencyConfig& consistency, v1::NonFinitePolicy policy,
+                 uint32_t dp, uint64_t start_step) TANDEM_EXCLUDES(part.mu);
   // Shares the step once this server's partitions have all aggregated it
   // (MaybeShare), then runs what follows (a decision applies the update).
   void ShareStep(uint64_t epoch, uint64_t step);
@@ -437,7 +437,7 @@ class ParameterStore {
   // Released gradient buffers for Buffer() to hand out again (a buffer
   // returns here when its last holder drops it, whichever thread that is).
   struct Spares {
-    std::mutex mu;
+    Mutex mu;
     std::vector<std::unique_ptr<std::vector<float>>> free TANDEM_GUARDED_BY(mu);
     size_t bytes TANDEM_GUARDED_BY(mu) = 0;
   };
@@ -450,8 +450,8 @@ class ParameterStore {
   // Partitions whose scan_pending is set.
   std::atomic<int> scans_pending_{0};
 
-  mutable std::mutex mu_;
-  std::condition_variable changed_;  // a partition completed a step (CaptureAt)
+  mutable Mutex mu_;
+  CondVar changed_;  // a partition completed a step (CaptureAt)
   // Job configuration (fixed by the first initialisation).
   bool configured_ TANDEM_GUARDED_BY(mu_) = false;
   std::string job_id_ TANDEM_GUARDED_BY(mu_);

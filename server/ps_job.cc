@@ -86,7 +86,7 @@ Status ParameterStore::Configure(const std::string& job_id,
     normal.set_staleness_bound(0);
   }
 
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (map_.parameter_count() != 0 && total != map_.parameter_count()) {
     return InvalidArgument("tensors: {} elements in all, but the job's parameter space has {}", total,
                            map_.parameter_count());
@@ -124,7 +124,7 @@ Status ParameterStore::Configure(const std::string& job_id,
   mode_.store(normal.mode());
   bound_.store(normal.staleness_bound());
   for (auto& [id, part] : parts_) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     part->segments = SegmentsFor(part->state.begin, part->state.end);
   }
   spdlog::info("job '{}': {} tensors, {} elements, optimizer {}, {} mode", job_id, tensors.size(), total,
@@ -133,7 +133,7 @@ Status ParameterStore::Configure(const std::string& job_id,
 }
 
 Result<ParameterStore::JobIdentity> ParameterStore::Identity() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (!configured_) return FailedPrecondition("the job has not been initialised on this server");
   JobIdentity id;
   id.job_id = job_id_;
@@ -148,7 +148,7 @@ Result<ParameterStore::JobIdentity> ParameterStore::Identity() const {
 Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::InitializeParametersRequest& request) {
   if (request.epoch() == 0) return InvalidArgument("epoch: must be >= 1");
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (request.epoch() < epoch_) {
       return FailedPrecondition("epoch: {} is stale, this server is at epoch {}; use the current shard map",
                                 request.epoch(), epoch_);
@@ -168,7 +168,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
   } else {
     for (uint32_t id : request.partition_ids()) {
       if (!std::binary_search(held.begin(), held.end(), id)) {
-        std::lock_guard lock(mu_);
+        MutexLock lock(&mu_);
         if (id >= static_cast<uint32_t>(map_.partitions_size())) {
           return NotFound("partition_ids: partition {} does not exist (the job has {})", id, map_.partitions_size());
         }
@@ -184,7 +184,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
   int buffers = 0;
   uint64_t parameter_count = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     buffers = optimizer_->state_buffers();
     parameter_count = map_.parameter_count();
   }
@@ -196,7 +196,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
     std::erase_if(ids, [&](uint32_t id) {
       auto part = Find(id);
       if (!part) return false;  // reported below
-      std::lock_guard plock(part->mu);
+      MutexLock plock(&part->mu);
       if (part->state.version == 0) return false;
       kept.push_back(id);
       return true;
@@ -300,7 +300,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
     if (!part) return FailedPrecondition("partition {} is no longer held by this server", id);
     auto* out = response.add_partitions();
     out->set_partition_id(id);
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     out->set_version(part->state.version);
     out->set_step(part->state.step);
   }
@@ -309,7 +309,7 @@ Result<v1::InitializeParametersResponse> ParameterStore::Initialize(const v1::In
     if (!part) return FailedPrecondition("partition {} is no longer held by this server", s.id);
     auto* out = response.add_partitions();
     out->set_partition_id(s.id);
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->state.version == 0) {
       UnlendLocked(*part, /*keep_values=*/false);
       part->state.weights = std::move(s.weights);
@@ -330,7 +330,7 @@ v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partitio
   v1::GetStatsResponse response;
   std::vector<std::shared_ptr<Part>> parts;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     response.set_member_id(member_id_);
     response.set_epoch(epoch_);
     if (configured_) {
@@ -346,7 +346,7 @@ v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partitio
   uint64_t min_step = UINT64_MAX;
   uint64_t bytes = 0;
   for (auto& part : parts) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     auto* s = response.add_partitions();
     s->set_partition_id(part->state.id);
     s->mutable_range()->set_begin(part->state.begin);
@@ -362,10 +362,9 @@ v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partitio
                                ? part->state.step - part->safe_step
                                : 0);
     if (checksums) {
-      const PartitionState& st = part->state;
-      uint32_t crc = Crc32c(st.weights.data(), st.weights.size() * sizeof(float));
-      crc = Crc32c(st.state0.data(), st.state0.size() * sizeof(float), crc);
-      s->set_state_crc32c(Crc32c(st.state1.data(), st.state1.size() * sizeof(float), crc));
+      uint32_t crc = Crc32c(part->state.weights.data(), part->state.weights.size() * sizeof(float));
+      crc = Crc32c(part->state.state0.data(), part->state.state0.size() * sizeof(float), crc);
+      s->set_state_crc32c(Crc32c(part->state.state1.data(), part->state.state1.size() * sizeof(float), crc));
     }
     if (part->role == v1::REPLICA_ROLE_PRIMARY) min_step = std::min(min_step, part->state.step);
     bytes += (part->state.weights.size() + part->state.state0.size() + part->state.state1.size()) * sizeof(float);
@@ -379,12 +378,12 @@ v1::GetStatsResponse ParameterStore::Stats(const std::vector<uint32_t>& partitio
 uint64_t ParameterStore::ReplicationLag() const {
   std::vector<std::shared_ptr<Part>> parts;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     for (auto& [id, part] : parts_) parts.push_back(part);
   }
   uint64_t lag = 0;
   for (auto& part : parts) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->role == v1::REPLICA_ROLE_PRIMARY && part->state.step > part->safe_step) {
       lag += part->state.step - part->safe_step;
     }

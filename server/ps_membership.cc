@@ -72,7 +72,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
                               uint64_t start_step) {
   Actions actions;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch <= epoch_) return;
     const uint64_t previous = epoch_;
     epoch_ = epoch;
@@ -101,7 +101,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       auto& slot = parts_[p.id()];
       if (!slot) {
         slot = std::make_shared<Part>();
-        std::lock_guard plock(slot->mu);
+        MutexLock plock(&slot->mu);
         slot->state.id = p.id();
         slot->state.begin = p.range().begin();
         slot->state.end = p.range().end();
@@ -109,7 +109,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         slot->segments = SegmentsFor(p.range().begin(), p.range().end());
       }
       Part& part = *slot;
-      std::lock_guard plock(part.mu);
+      MutexLock plock(&part.mu);
       if (part.state.begin != p.range().begin() || part.state.end != p.range().end()) {
         // A different partitioning (not produced by the coordinator, which
         // never moves boundaries): start the partition over.
@@ -175,7 +175,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       if (held.count(it->first) == 0) {
         // Kept past the erase: the partition dies (if it does) after its lock is released.
         std::shared_ptr<Part> gone = it->second;
-        std::lock_guard plock(gone->mu);
+        MutexLock plock(&gone->mu);
         SetScanPending(*gone, false);
         for (auto& pull : gone->pulls) {
           std::vector<char> payload;
@@ -198,7 +198,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
     spdlog::info("epoch {}: this server (member {}) holds {} partition(s), {} as primary", epoch, member_id,
                  held.size(), primaries_);
   }
-  changed_.notify_all();
+  changed_.NotifyAll();
   Run(actions);
 }
 
@@ -206,7 +206,7 @@ void ParameterStore::LinksReady(uint64_t epoch) {
   Actions actions;
   std::vector<std::shared_ptr<Part>> parts;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (epoch != epoch_) return;
     for (auto& [id, part] : parts_) parts.push_back(part);
     // The last share of the old epoch may have died with its links while a
@@ -216,7 +216,7 @@ void ParameterStore::LinksReady(uint64_t epoch) {
     }
   }
   for (auto& part : parts) {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->role != v1::REPLICA_ROLE_PRIMARY) continue;
     part->links_ready = true;
     if (part->needs_transfer) SendTransferLocked(*part, actions);
@@ -226,7 +226,7 @@ void ParameterStore::LinksReady(uint64_t epoch) {
 
 std::vector<uint32_t> ParameterStore::Held(bool primary_only) const {
   std::vector<uint32_t> ids;
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& p : map_.partitions()) {
     if (p.primary_member_id() == member_id_ || (!primary_only && p.backup_member_id() == member_id_)) {
       ids.push_back(p.id());
@@ -236,7 +236,7 @@ std::vector<uint32_t> ParameterStore::Held(bool primary_only) const {
 }
 
 Result<std::pair<uint64_t, uint64_t>> ParameterStore::RangeOf(uint32_t partition) const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   if (partition >= static_cast<uint32_t>(map_.partitions_size())) {
     return NotFound("partition {} does not exist (the shard map of epoch {} has {})", partition, epoch_,
                     map_.partitions_size());

@@ -51,7 +51,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
   explicit Service(PsNode* node) : node_(node) {}
 
   void SetToken(const std::string& token) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     token_ = token;
     has_token_ = true;
   }
@@ -79,7 +79,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
     if (Status s = CheckJob(request->job_id()); !s.ok()) return s.ToGrpc();
     std::vector<uint32_t> ids(request->partition_ids().begin(), request->partition_ids().end());
     *response = node_->store().Stats(ids, request->checksums());
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (last_.has_checkpoint_id()) {
       *response->mutable_last_checkpoint() = last_.info;
       if (last_.info.state() == v1::CHECKPOINT_STATE_IN_PROGRESS) {
@@ -105,7 +105,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
   ~Service() override {
     std::thread writer;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       writer = std::move(writer_);
     }
     if (writer.joinable()) writer.join();
@@ -113,7 +113,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
 
   // Last checkpoint's duration and bytes, for the metrics.
   std::pair<double, uint64_t> LastCheckpoint() {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     return {last_seconds_, last_bytes_};
   }
 
@@ -125,7 +125,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
   };
 
   Status Check(const std::string& token) {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (!has_token_) return Unavailable("this server has not joined its job yet; retry once it is ready");
     if (token_.empty()) return Status::Ok();
     if (token.empty()) return Unauthenticated("token: this job requires a join token");
@@ -157,7 +157,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
     }
     TANDEM_ASSIGN_OR_RETURN(auto identity, node_->store().Identity());
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       if (last_.info.state() == v1::CHECKPOINT_STATE_IN_PROGRESS) {
         return FailedPrecondition("checkpoint '{}' is still being written; wait for it (GetStats)",
                                   last_.info.checkpoint_id());
@@ -195,12 +195,12 @@ class PsNode::Service final : public v1::ParameterServer::Service {
       Status written = WriteCheckpointFiles(
           dir, meta, parts,
           [this](uint64_t so_far) {
-            std::lock_guard lock(mu_);
+            MutexLock lock(&mu_);
             last_.info.set_bytes(so_far);
           },
           &bytes);
       const auto took = std::chrono::steady_clock::now() - started;
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       last_.info.set_bytes(bytes);
       *last_.info.mutable_duration() =
           TimeUtil::MillisecondsToDuration(std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
@@ -220,21 +220,21 @@ class PsNode::Service final : public v1::ParameterServer::Service {
     };
     std::thread previous;
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       last_.info = info;
       last_.started = started;
       previous = std::move(writer_);
     }
     if (previous.joinable()) previous.join();
     if (request.async()) {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       writer_ = std::thread([write = std::move(write)]() mutable { write(); });
       *response->mutable_checkpoint() = info;
       return Status::Ok();
     }
     v1::CheckpointInfo done = write();
     *response->mutable_checkpoint() = done;
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     return last_status_;
   }
 
@@ -298,7 +298,7 @@ class PsNode::Service final : public v1::ParameterServer::Service {
 
   PsNode* const node_;
   std::atomic<uint64_t> initialize_refused_{0};  // failpoint ps.initialize_unavailable
-  std::mutex mu_;
+  Mutex mu_;
   std::string token_ TANDEM_GUARDED_BY(mu_);
   bool has_token_ TANDEM_GUARDED_BY(mu_) = false;
   Last last_ TANDEM_GUARDED_BY(mu_);
@@ -377,12 +377,12 @@ PsNode::PsNode(const ServerConfig& config, Daemon& daemon) : config_(config), me
   m.state_bytes = gauge("tandem_server_state_bytes", "Host memory holding weights and optimizer state.");
   m.step = gauge("tandem_server_step", "The last step completed on every partition this server is primary of.");
   metrics_thread_ = std::thread([this] {
-    std::unique_lock lock(metrics_mu_);
+    MutexLock lock(&metrics_mu_);
     while (!stopping_.load()) {
-      lock.unlock();
+      lock.Unlock();
       RefreshMetrics();
-      lock.lock();
-      metrics_cv_.wait_for(lock, std::chrono::seconds(1), [this] { return stopping_.load(); });
+      lock.Lock();
+      metrics_cv_.WaitFor(lock, std::chrono::seconds(1), [this] { return stopping_.load(); });
     }
   });
 }
@@ -443,14 +443,14 @@ Status PsNode::Hook(MemberHooks* hooks) {
     return OnEpoch(epoch, session);
   };
   hooks->on_newer_epoch = [this](uint64_t latest) {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (building_ != nullptr) building_->CancelIfSuperseded(latest);
   };
   return Status::Ok();
 }
 
 std::shared_ptr<PsNode::Group> PsNode::Current() const {
-  std::lock_guard lock(mu_);
+  MutexLock lock(&mu_);
   return group_;
 }
 
@@ -458,20 +458,20 @@ void PsNode::Stop() {
   if (stopping_.exchange(true)) return;
   store_->StopCaptures();  // a synchronous SaveCheckpoint waiting for its step returns now
   {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (building_ != nullptr) building_->Cancel("the server is stopping");
   }
   {
     // Under the lock the refresher waits with, so that the wake-up is not
     // missed; joined here, before the daemon's registry that its gauges
     // live in can go.
-    std::lock_guard lock(metrics_mu_);
-    metrics_cv_.notify_all();
+    MutexLock lock(&metrics_mu_);
+    metrics_cv_.NotifyAll();
   }
   if (metrics_thread_.joinable() && metrics_thread_.get_id() != std::this_thread::get_id()) metrics_thread_.join();
   std::shared_ptr<Group> group;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     group = std::move(group_);
   }
   if (group && group->channel) group->channel->Stop();
@@ -483,7 +483,7 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   if (stopping_.load()) return Unavailable("the server is shutting down");
   {
     // The same epoch again (activated, or re-sent after a reconnection).
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (group_ && group_->epoch == epoch.epoch()) return Status::Ok();
   }
   if (store_->epoch() == epoch.epoch() && epoch.shard_map().partitions_size() == 0) return Status::Ok();
@@ -497,7 +497,7 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   if (!adopted) return Unavailable("the server is shutting down");
   std::shared_ptr<Group> old;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     old = std::move(group_);
     member_id_ = self;
   }
@@ -521,13 +521,13 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   }
   {
     // A newer epoch (reported by heartbeats) or Stop() cancels the build.
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     if (stopping_) return Cancelled("the server is stopping");
     building_ = &rendezvous;
   }
   auto ps_group = transport::BuildPsGroup(epoch, self, rendezvous, ucx, config_.timeout);
   {
-    std::lock_guard lock(building_mu_);
+    MutexLock lock(&building_mu_);
     building_ = nullptr;
   }
   if (!ps_group.ok()) return ps_group.status();
@@ -563,7 +563,7 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   group->channel = std::make_unique<transport::FrameChannel>(group->group.transport.get(), peers, std::move(handler),
                                                              /*start=*/false);
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     group_ = group;
   }
   group->channel->Start();
@@ -627,7 +627,7 @@ void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Fr
     case ps::FrameType::kTransferReply: {
       std::function<void(const Status&)> done;
       {
-        std::lock_guard lock(group->mu);
+        MutexLock lock(&group->mu);
         auto it = group->waiting.find(h.request_id);
         if (it != group->waiting.end()) {
           done = std::move(it->second.second);
@@ -652,7 +652,7 @@ void PsNode::OnPeerFailed(const std::shared_ptr<Group>& group, int rank, const S
   spdlog::warn("epoch {}: member {} of the parameter-server group failed: {}", group->epoch, member, status.ToString());
   std::vector<std::function<void(const Status&)>> failed;
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     for (auto it = group->waiting.begin(); it != group->waiting.end();) {
       if (it->second.first == rank) {
         failed.push_back(std::move(it->second.second));
@@ -692,7 +692,7 @@ void PsNode::SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_
   ps::Frame h = header;
   h.request_id = next_request_.fetch_add(1);
   {
-    std::lock_guard lock(group->mu);
+    MutexLock lock(&group->mu);
     group->waiting[h.request_id] = {rank, std::move(done)};
   }
   const void* data = payload ? payload->data() : nullptr;
@@ -707,7 +707,7 @@ void PsNode::SendToBackup(uint64_t backup, const ps::Frame& header, std::shared_
         if (!g) return;
         std::function<void(const Status&)> failed;
         {
-          std::lock_guard lock(g->mu);
+          MutexLock lock(&g->mu);
           auto w = g->waiting.find(id);
           if (w != g->waiting.end()) {
             failed = std::move(w->second.second);

@@ -23,16 +23,15 @@
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "common/coordinator_link.h"
 #include "common/coordinator_rendezvous.h"
 #include "common/daemon.h"
+#include "common/mutex.h"
 #include "common/thread_annotations.h"
 #include "common/transport/frame_channel.h"
 #include "common/transport/ps_group.h"
@@ -83,7 +82,7 @@ class PsNode final : public ServerLinks {
     transport::PsGroup group;
     std::unique_ptr<transport::FrameChannel> channel;
     std::unique_ptr<PushLanding> landing;  // pushes received into the store's buffers
-    std::mutex mu;
+    Mutex mu;
     std::map<uint64_t, std::pair<int, std::function<void(const Status&)>>> waiting TANDEM_GUARDED_BY(mu);
   };
 
@@ -107,19 +106,19 @@ class PsNode final : public ServerLinks {
   // Where the store's state changes (declared after it: stopped first).
   ShardLoop loop_{"tandem-shard"};
   std::unique_ptr<Service> service_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::shared_ptr<Group> group_ TANDEM_GUARDED_BY(mu_);
   uint64_t member_id_ TANDEM_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> next_request_{1};
   std::atomic<bool> stopping_{false};
   // The rendezvous of the epoch being built, for a newer epoch or Stop() to cancel.
-  std::mutex building_mu_;
+  Mutex building_mu_;
   comm::CoordinatorRendezvous* building_ TANDEM_GUARDED_BY(building_mu_) = nullptr;
   struct Metrics;
   std::unique_ptr<Metrics> metrics_;
   std::thread metrics_thread_;
-  std::mutex metrics_mu_;
-  std::condition_variable metrics_cv_;
+  Mutex metrics_mu_;
+  CondVar metrics_cv_;
 };
 
 }  // namespace tandem::server

@@ -110,14 +110,14 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
   bool sync;
   uint64_t start_step;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     sync = IsSync(consistency_);
     start_step = start_step_;
   }
   std::shared_ptr<Part> part = *checked;
   Actions actions;
   {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     counters_.pulls.fetch_add(1);
     PendingPull pull{from, h, 0, std::move(reply)};
     bool refused = false;

@@ -80,7 +80,7 @@ void ParameterStore::SendTransferLocked(Part& part, Actions& actions) {
     uint64_t epoch;
     auto job = std::make_shared<std::string>();
     {
-      std::lock_guard lock(mu_);
+      MutexLock lock(&mu_);
       epoch = epoch_;
       v1::InitializeParametersRequest request;
       request.set_job_id(job_id_);
@@ -105,7 +105,7 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
   const bool current = epoch == this->epoch();  // before the partition's lock (lock order)
   Actions actions;
   {
-    std::lock_guard plock(part->mu);
+    MutexLock plock(&part->mu);
     if (part->replicating > 0) --part->replicating;
     if (status.ok()) {
       counters_.replicas_applied.fetch_add(1);
@@ -142,40 +142,40 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
   };
   std::shared_ptr<Part> part;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (h.epoch != epoch_) return answer(Aborted("update from epoch {}, this backup is at epoch {}", h.epoch, epoch_));
     auto it = parts_.find(h.partition);
     if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
     part = it->second;
   }
-  std::unique_lock plock(part->mu);
+  MutexLock plock(&part->mu);
   if (part->role != v1::REPLICA_ROLE_BACKUP || part->primary != from) {
-    plock.unlock();
+    plock.Unlock();
     return answer(FailedPrecondition("this server is not the backup of partition {} for member {}", h.partition, from));
   }
   if (part->state.version == 0 || part->state.version != h.version || part->state.step + 1 != h.step) {
     const Status diverged = FailedPrecondition(
         "backup of partition {} is at version {} step {}, the update follows version {} and makes step {}", h.partition,
         part->state.version, part->state.step, h.version, h.step);
-    plock.unlock();
+    plock.Unlock();
     return answer(diverged);
   }
   if ((h.flags & ps::kFlagSkip) == 0) {
-    if (h.payload_bytes != part->state.size() * sizeof(float)) {
-      plock.unlock();
-      return answer(InvalidArgument("update of partition {} is {} bytes, expected {}", h.partition, h.payload_bytes,
-                                    part->state.size() * sizeof(float)));
+    if (const size_t expected = part->state.size() * sizeof(float); h.payload_bytes != expected) {
+      plock.Unlock();
+      return answer(
+          InvalidArgument("update of partition {} is {} bytes, expected {}", h.partition, h.payload_bytes, expected));
     }
     const double lr = ps::ReplicaLearningRate(h);
     if (Status valid = Optimizer::CheckStepLearningRate(lr); !valid.ok()) {
-      plock.unlock();
+      plock.Unlock();
       return answer(valid.WithContext(fmt::format("update of partition {} step {}", h.partition, h.step)));
     }
     ApplyLocked(*part, static_cast<const float*>(payload), h.value, lr);
   }
   part->state.step = h.step;
   part->safe_step = h.step;
-  plock.unlock();
+  plock.Unlock();
   answer(Status::Ok());
 }
 
@@ -189,7 +189,7 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
   std::shared_ptr<Part> part;
   int buffers = 0;
   {
-    std::lock_guard lock(mu_);
+    MutexLock lock(&mu_);
     if (h.epoch != epoch_) return answer(Aborted("state from epoch {}, this backup is at epoch {}", h.epoch, epoch_));
     if (!configured_) return answer(FailedPrecondition("the job is not configured on this backup yet"));
     buffers = optimizer_->state_buffers();
@@ -197,14 +197,14 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
     if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
     part = it->second;
   }
-  std::unique_lock plock(part->mu);
+  MutexLock plock(&part->mu);
   if (part->role != v1::REPLICA_ROLE_BACKUP || part->primary != from) {
-    plock.unlock();
+    plock.Unlock();
     return answer(FailedPrecondition("this server is not the backup of partition {} for member {}", h.partition, from));
   }
   const size_t n = part->state.size();
   if (static_cast<int>(h.contributors) != buffers || h.payload_bytes != n * (1 + buffers) * sizeof(float)) {
-    plock.unlock();
+    plock.Unlock();
     return answer(InvalidArgument("state of partition {} is {} bytes with {} buffers, expected {} with {}", h.partition,
                                   h.payload_bytes, h.contributors, n * (1 + buffers) * sizeof(float), buffers));
   }
@@ -219,7 +219,7 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
   counters_.transfers_received.fetch_add(1);
   spdlog::info("partition {}: received its state from member {} (version {}, step {})", h.partition, from,
                part->state.version, h.step);
-  plock.unlock();
+  plock.Unlock();
   answer(Status::Ok());
 }
 

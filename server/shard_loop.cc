@@ -65,10 +65,11 @@ void ShardLoop::Loop() {
     // Spin a little before sleeping: a step's frames come in bursts.
     if (queued_.load(std::memory_order_acquire) == 0 && spin_.count() > 0) {
       const auto until = std::chrono::steady_clock::now() + spin_;
+      // Yielding, not pausing: where the server shares a core with the
+      // transport's progress thread (bench ps pins it to one), the frame
+      // this loop waits for needs that thread to run.
       while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+        std::this_thread::yield();
       }
     }
     std::deque<Task> batch;
