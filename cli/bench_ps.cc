@@ -318,7 +318,10 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   const v1::MembershipEpoch membership = MakeEpoch(c, epoch, size);
   NoLinks links;
   ServerEpoch e;
-  e.store = std::make_unique<server::ParameterStore>(server::StoreOptions{static_cast<int>(c.server_threads)}, &links);
+  server::StoreOptions store_options;
+  store_options.threads = static_cast<int>(c.server_threads);
+  store_options.offload = [&e](std::function<void()> work) { e.loop->Offload(std::move(work)); };
+  e.store = std::make_unique<server::ParameterStore>(std::move(store_options), &links);
   e.store->SetEpoch(epoch, kServerId, membership.shard_map(), 1, 0);
   TANDEM_RETURN_IF_ERROR(InitializeStore(c, *e.store, epoch, size));
   TANDEM_RETURN_IF_ERROR(rendezvous.Put(ReadyKey(epoch), "ready"));
@@ -340,9 +343,14 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
     std::shared_ptr<std::vector<float>> landed = e.landing->Take(rank, payload);
     std::vector<char> bytes;
     if (!landed && payload != nullptr) bytes = std::move(owned);
-    e.loop->Defer([&e, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
+    auto task = [&e, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
       OnServerFrame(e, rank, h, std::move(landed), bytes);
-    });
+    };
+    if (e.store->Light(h)) {
+      e.loop->Defer(std::move(task));
+    } else {
+      e.loop->Post(std::move(task));
+    }
   };
   handler.on_frame = hand_over;
   // The worker closes its group when it is done with a size, just before it

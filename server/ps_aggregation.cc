@@ -132,6 +132,37 @@ void ParameterStore::Push(uint64_t from, const ps::Frame& h, std::shared_ptr<std
   PushImpl(from, h, payload, buffer, reply);
 }
 
+void ParameterStore::Offload(std::function<void()> work) {
+  if (options_.offload) return options_.offload(std::move(work));
+  work();
+}
+
+bool ParameterStore::StepFitsHereLocked() const {
+  uint64_t elements = 0;
+  for (const auto& [id, part] : parts_) elements += part->elements.load(std::memory_order_relaxed);
+  return elements * sizeof(float) <= kInlineStepBytes;
+}
+
+bool ParameterStore::StepFitsHere() const {
+  MutexLock lock(&mu_);
+  return StepFitsHereLocked();
+}
+
+bool ParameterStore::Light(const ps::Frame& h) const {
+  switch (h.type) {
+    case ps::FrameType::kPull:
+    case ps::FrameType::kShare:
+    case ps::FrameType::kReplicaReply:
+    case ps::FrameType::kTransferReply:
+      return true;
+    case ps::FrameType::kPush:
+      return h.payload_bytes <= kLightPushBytes &&
+             (mode_.load() == v1::CONSISTENCY_MODE_SYNC || mode_.load() == v1::CONSISTENCY_MODE_UNSPECIFIED);
+    default:
+      return false;
+  }
+}
+
 void ParameterStore::ShareStep(uint64_t epoch, uint64_t step) {
   Actions actions;
   MaybeShare(epoch, step, actions);
@@ -161,7 +192,7 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
     ps::Frame r = Refusal(h, checked.status(), &body);
     return reply(r, std::move(body));
   }
-  PushIn in{from, h, payload, buffer, reply, epoch};
+  PushIn in{from, h, payload, buffer, reply, epoch, *checked};
   if (IsSync(consistency)) return PushSync(in, **checked, policy);
   PushAsync(in, **checked, consistency, policy, dp, start_step);
 }
@@ -289,8 +320,9 @@ void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy
   const std::shared_ptr<std::vector<float>> acc = part.acc;
   plock.Unlock();
   reply(ok, {});
-  FinishAggregation(part, acc, epoch, h.step);
-  return;
+  auto finish = [this, keep = in.keep, acc, epoch, step = h.step] { FinishAggregation(*keep, acc, epoch, step); };
+  if (StepFitsHere()) return finish();
+  Offload(std::move(finish));
 }
 
 void ParameterStore::PushAsync(PushIn& in, Part& part, const v1::ConsistencyConfig& consistency,
@@ -570,9 +602,14 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
     }
   }
   const double grad_scale = coef / divisor;
-  actions.push_back([this, parts = std::move(parts), epoch, step, skip, grad_scale]() mutable {
+  auto apply = [this, parts = std::move(parts), epoch, step, skip, grad_scale]() mutable {
     ApplyDecision(std::move(parts), epoch, step, skip, grad_scale);
-  });
+  };
+  if (StepFitsHereLocked()) {
+    actions.push_back(std::move(apply));
+  } else {
+    actions.push_back([this, apply = std::move(apply)]() mutable { Offload(std::move(apply)); });
+  }
 }
 
 void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,

@@ -132,7 +132,15 @@ class ServerLinks {
 };
 
 struct StoreOptions {
+  StoreOptions() = default;
+  explicit StoreOptions(int optimizer_threads) : threads(optimizer_threads) {}
+
   int threads = 0;  // optimizer threads; 0: the hardware's
+  // Runs work that may take long (a step's scan, decision and update on a
+  // server holding more than ParameterStore::kInlineStepBytes) where it
+  // holds up no one's messages: a server passes its loop's Offload. Unset:
+  // right away, on the calling thread.
+  std::function<void(std::function<void()>)> offload;
 };
 
 // Counters for GetStats and the metrics.
@@ -235,6 +243,19 @@ class ParameterStore {
   // A push whose payload was received into `buffer` (from PushBuffer).
   void Push(uint64_t from, const ps::Frame& header, std::shared_ptr<std::vector<float>> buffer, Reply reply);
   void Pull(uint64_t from, const ps::Frame& header, Reply reply);
+  // A server whose partitions (primaries and backups) hold at most this
+  // many bytes of fp32 finishes a step where the push or share that
+  // completed it is handled; a larger one offloads the step's scan,
+  // decision and update (StoreOptions::offload).
+  static constexpr uint64_t kInlineStepBytes = 1ULL << 20;
+  // Pushes of at most this many bytes count as light (Light).
+  static constexpr uint64_t kLightPushBytes = 1ULL << 20;
+  // Whether handling `header` costs little, at most a small step's update
+  // (a pull; a sync-mode push of at most kLightPushBytes; a share; a
+  // backup's answer), so that the thread that received it may handle it;
+  // the others (large or asynchronous pushes, replicated updates, state
+  // transfers) belong on a thread of their own. Reads no lock.
+  bool Light(const ps::Frame& header) const;
   void Share(uint64_t from, const ps::Frame& header, const void* payload);
   void Replica(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
   void Transfer(uint64_t from, const ps::Frame& header, const void* payload, Reply reply);
@@ -363,7 +384,13 @@ class ParameterStore {
     std::shared_ptr<std::vector<float>>& buffer;
     Reply& reply;
     uint64_t epoch;
+    std::shared_ptr<Part> keep;  // the partition, for work offloaded
   };
+  // StoreOptions::offload, or `work` now.
+  void Offload(std::function<void()> work);
+  // Whether this server's partitions hold at most kInlineStepBytes of fp32.
+  bool StepFitsHere() const TANDEM_EXCLUDES(mu_);
+  bool StepFitsHereLocked() const TANDEM_REQUIRES(mu_);
   // Answers the push with `status`'s error.
   void RefusePush(PushIn& in, const Status& status);
   // Checks what every push must be (dtype, contributors, step, learning

@@ -338,7 +338,10 @@ struct PsNode::Metrics {
 };
 
 PsNode::PsNode(const ServerConfig& config, Daemon& daemon) : config_(config), metrics_(std::make_unique<Metrics>()) {
-  store_ = std::make_unique<ParameterStore>(StoreOptions{static_cast<int>(config.threads)}, this);
+  StoreOptions store_options;
+  store_options.threads = static_cast<int>(config.threads);
+  store_options.offload = [this](std::function<void()> work) { loop_.Offload(std::move(work)); };
+  store_ = std::make_unique<ParameterStore>(std::move(store_options), this);
   service_ = std::make_unique<Service>(this);
   auto& r = daemon.registry();
   auto counter = [&r](const char* name, const char* help) {
@@ -599,9 +602,16 @@ void PsNode::HandOver(const std::shared_ptr<Group>& group, int rank, const ps::F
   std::shared_ptr<std::vector<float>> landed = group->landing->Take(rank, payload);
   std::vector<char> bytes;
   if (!landed && payload != nullptr) bytes = std::move(owned);
-  loop_.Defer([this, group, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
+  auto task = [this, group, rank, h, landed = std::move(landed), bytes = std::move(bytes)]() mutable {
     OnFrame(group, rank, h, std::move(landed), bytes);
-  });
+  };
+  // A light frame runs right here when the loop is free; the others on the
+  // loop's thread, so that this (completion) thread is not held up.
+  if (store_->Light(h)) {
+    loop_.Defer(std::move(task));
+  } else {
+    loop_.Post(std::move(task));
+  }
 }
 
 void PsNode::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::Frame& h,

@@ -5,44 +5,135 @@
 #include <utility>
 
 namespace tandem::server {
+namespace {
 
-ShardLoop::ShardLoop(std::string name, std::chrono::microseconds spin) : spin_(spin) {
+// The loop the calling thread runs now, if any.
+thread_local const ShardLoop* t_running = nullptr;
+
+}  // namespace
+
+ShardLoop::ShardLoop(std::string name) {
   thread_ = std::thread([this, name = std::move(name)] {
-    thread_id_.store(std::this_thread::get_id());
     pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
-    Loop();
+    ThreadMain();
   });
-  // Defer from the loop itself must see the id from the first task on.
-  while (thread_id_.load() == std::thread::id()) std::this_thread::yield();
 }
 
 ShardLoop::~ShardLoop() {
   Stop();
 }
 
+bool ShardLoop::InLoop() const {
+  return t_running == this;
+}
+
+void ShardLoop::Queued() {
+  const size_t n = queue_.size();
+  if (n > max_queued_.load(std::memory_order_relaxed)) max_queued_.store(n, std::memory_order_relaxed);
+}
+
+void ShardLoop::RunTask(Task& task) {
+  tasks_run_.fetch_add(1, std::memory_order_relaxed);
+  task();
+}
+
 bool ShardLoop::Defer(Task task) {
   if (InLoop()) {
-    tasks_run_.fetch_add(1, std::memory_order_relaxed);
-    task();
+    RunTask(task);
     return true;
   }
-  bool wake = false;
   {
     MutexLock lock(&mu_);
     if (stopping_) return false;
-    queue_.push_back(std::move(task));
-    const size_t n = queued_.fetch_add(1, std::memory_order_release) + 1;
-    if (n > max_queued_.load(std::memory_order_relaxed)) max_queued_.store(n, std::memory_order_relaxed);
-    wake = sleeping_;
+    queue_.push_back(Entry{std::move(task), false});
+    Queued();
+    if (owner_ != Owner::kNone) return true;  // its runner takes it
+    owner_ = Owner::kCaller;
   }
-  if (wake) wake_.NotifyOne();
+  Drain(/*on_thread=*/false);
   return true;
+}
+
+bool ShardLoop::Post(Task task) {
+  MutexLock lock(&mu_);
+  if (stopping_) return false;
+  queue_.push_back(Entry{std::move(task), true});
+  Queued();
+  if (owner_ == Owner::kNone) {
+    owner_ = Owner::kThread;
+    wake_.NotifyAll();
+  }
+  return true;
+}
+
+void ShardLoop::Offload(Task task) {
+  if (!InLoop()) {
+    Post(std::move(task));
+    return;
+  }
+  MutexLock lock(&mu_);
+  if (owner_ == Owner::kThread) {
+    lock.Unlock();
+    tasks_on_thread_.fetch_add(1, std::memory_order_relaxed);
+    RunTask(task);
+    return;
+  }
+  // The caller that runs the loop hands it to the thread after this task.
+  queue_.insert(queue_.begin() + static_cast<std::ptrdiff_t>(offloaded_), Entry{std::move(task), true});
+  ++offloaded_;
+  Queued();
+}
+
+void ShardLoop::Drain(bool on_thread) {
+  const ShardLoop* outer = t_running;
+  t_running = this;
+  for (;;) {
+    Task task;
+    {
+      MutexLock lock(&mu_);
+      offloaded_ = 0;
+      if (queue_.empty()) {
+        owner_ = Owner::kNone;
+        if (stopping_) wake_.NotifyAll();  // the loop's thread ends once nobody runs the loop
+        break;
+      }
+      if (!on_thread && queue_.front().on_thread) {
+        owner_ = Owner::kThread;
+        wake_.NotifyAll();
+        break;
+      }
+      task = std::move(queue_.front().task);
+      queue_.pop_front();
+    }
+    if (on_thread) tasks_on_thread_.fetch_add(1, std::memory_order_relaxed);
+    RunTask(task);
+  }
+  t_running = outer;
+}
+
+void ShardLoop::ThreadMain() {
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      // Stopping with nobody running the loop: take it to run what is left.
+      wake_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) {
+        return (owner_ == Owner::kThread && !queue_.empty()) || (stopping_ && owner_ == Owner::kNone);
+      });
+      if (owner_ == Owner::kNone) {
+        if (queue_.empty()) {
+          stopped_ = true;
+          return;
+        }
+        owner_ = Owner::kThread;
+      }
+    }
+    Drain(/*on_thread=*/true);
+  }
 }
 
 bool ShardLoop::Run(Task task) {
   if (InLoop()) {
-    tasks_run_.fetch_add(1, std::memory_order_relaxed);
-    task();
+    RunTask(task);
     return true;
   }
   Mutex done_mu;
@@ -56,47 +147,17 @@ bool ShardLoop::Run(Task task) {
   });
   if (!queued) return false;
   MutexLock lock(&done_mu);
-  done_cv.Wait(lock, [&] { return done; });
+  done_cv.Wait(lock, [&]() TANDEM_REQUIRES(done_mu) { return done; });
   return true;
-}
-
-void ShardLoop::Loop() {
-  for (;;) {
-    // Spin a little before sleeping: a step's frames come in bursts.
-    if (queued_.load(std::memory_order_acquire) == 0 && spin_.count() > 0) {
-      const auto until = std::chrono::steady_clock::now() + spin_;
-      // Yielding, not pausing: where the server shares a core with the
-      // transport's progress thread (bench ps pins it to one), the frame
-      // this loop waits for needs that thread to run.
-      while (queued_.load(std::memory_order_acquire) == 0 && std::chrono::steady_clock::now() < until) {
-        std::this_thread::yield();
-      }
-    }
-    std::deque<Task> batch;
-    {
-      MutexLock lock(&mu_);
-      sleeping_ = true;
-      wake_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return !queue_.empty() || stopping_; });
-      sleeping_ = false;
-      if (queue_.empty()) return;  // stopping, and nothing left
-      batch.swap(queue_);
-      queued_.fetch_sub(batch.size(), std::memory_order_relaxed);
-    }
-    for (Task& task : batch) {
-      tasks_run_.fetch_add(1, std::memory_order_relaxed);
-      task();
-    }
-  }
 }
 
 void ShardLoop::Stop() {
   MutexLock stop(&stop_mu_);
   {
     MutexLock lock(&mu_);
-    if (stopping_ && !thread_.joinable()) return;
     stopping_ = true;
+    wake_.NotifyAll();
   }
-  wake_.NotifyAll();
   if (thread_.joinable()) thread_.join();
 }
 

@@ -1,28 +1,34 @@
-// ShardLoop: the one thread on which a parameter server changes its state.
+// ShardLoop: where a parameter server changes its state, one task at a time.
 //
 // Every frame a server receives (pushes, pulls, shares, replicas, state
 // transfers, their replies) and every membership or control change is run
 // as a task on its shard's loop, one at a time, in the order they were
-// handed over. The transport's completion thread, which carries every
-// peer's messages, only hands frames over (Defer) and never waits for the
-// store; the store's partitions are not contended on the data path; and an
-// optimizer update, which the loop spreads over the store's thread pool,
-// holds up the frames behind it on the loop but never the network.
+// handed over; nothing else changes the store. The loop is a serial
+// executor in the manner of tensorpipe's on-demand deferred executor: it is
+// not tied to a thread, but run by whichever thread holds it.
 //
-// Defer runs the task at once when called on the loop itself (a task that
-// hands over more work, such as a send's completion arriving while the loop
-// runs), and otherwise queues it and wakes the loop. Run hands a task over
-// and waits for it to have run, for control calls that need its result.
-// Like the optimizer's pool, an idle loop spins for a short while (`spin`)
-// before it sleeps: the frames of one training step then find it awake
-// instead of paying a wake-up each.
+// - Defer(task): at once when the calling thread already runs the loop;
+//   else queued, and when no thread runs the loop the caller takes it and
+//   runs the queue itself. So the transport's completion thread answers a
+//   pull, or takes in a small push, without handing it to another thread
+//   when the server is idle, and only queues it while another thread runs
+//   the loop.
+// - Post(task) and Offload(task): for work that must not run on the caller
+//   (an optimizer update, a large push, a replica: they would hold up the
+//   completion thread that carries every peer's messages). The loop's own
+//   thread runs them, in order with everything else: Post queues the task;
+//   Offload, called from a task, puts the rest of that task's work first
+//   in the queue, and the thread that runs the loop hands it to the loop's
+//   thread once the current task returns. On the loop's thread, Offload
+//   runs the work at once.
+// - Run(task): Defer, then wait until it has run (control calls that need
+//   its result).
 //
-// Thread safety: thread-safe. Tasks must not throw and must not call Run or
-// Stop (the loop would wait for itself).
+// Thread safety: thread-safe. Tasks must not throw, and must not call Run
+// of another loop or Stop.
 #pragma once
 
 #include <atomic>
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -39,45 +45,63 @@ class ShardLoop {
  public:
   using Task = std::function<void()>;
 
-  // `name` names the thread (for logs and debuggers).
-  explicit ShardLoop(std::string name = "tandem-shard",
-                     std::chrono::microseconds spin = std::chrono::microseconds(100));
+  // `name` names the loop's thread (for logs and debuggers).
+  explicit ShardLoop(std::string name = "tandem-shard");
   // Stops the loop (Stop).
   ~ShardLoop();
   ShardLoop(const ShardLoop&) = delete;
   ShardLoop& operator=(const ShardLoop&) = delete;
 
-  // Runs `task` on the loop: now when called from the loop, else queued.
-  // After Stop, a task is dropped (returns false); true otherwise.
+  // Runs `task` on the loop, on this thread when it can (above). False,
+  // having dropped the task, after Stop.
   bool Defer(Task task) TANDEM_EXCLUDES(mu_);
-  // Runs `task` on the loop and returns once it has run (at once on the
-  // loop itself). False, without running it, after Stop.
+  // Runs `task` on the loop's thread, after what is queued. False after
+  // Stop.
+  bool Post(Task task) TANDEM_EXCLUDES(mu_);
+  // From a task: runs `task` on the loop's thread before anything queued
+  // (at once when already there). Outside a task it is Post.
+  void Offload(Task task) TANDEM_EXCLUDES(mu_);
+  // Runs `task` on the loop and returns once it has run (at once when the
+  // caller runs the loop). False, without running it, after Stop.
   bool Run(Task task) TANDEM_EXCLUDES(mu_);
-  // Whether the calling thread is the loop.
-  bool InLoop() const { return std::this_thread::get_id() == thread_id_.load(); }
-  // Runs the tasks already queued, then ends the loop and joins it; later
-  // tasks are dropped. Idempotent; not from a task.
+  // Whether the calling thread runs the loop now.
+  bool InLoop() const;
+  // Runs the tasks already queued, then ends the loop's thread; later tasks
+  // are dropped. Idempotent; not from a task.
   void Stop() TANDEM_EXCLUDES(mu_);
 
-  // Tasks started so far, and the most that waited at once (for the
-  // metrics).
+  // Tasks started so far, those the loop's thread ran, and the most that
+  // waited at once (for tests and the metrics).
   uint64_t tasks_run() const { return tasks_run_.load(std::memory_order_relaxed); }
+  uint64_t tasks_on_thread() const { return tasks_on_thread_.load(std::memory_order_relaxed); }
   size_t max_queued() const { return max_queued_.load(std::memory_order_relaxed); }
 
  private:
-  void Loop();
+  struct Entry {
+    Task task;
+    bool on_thread = false;  // only the loop's thread may run it
+  };
+  enum class Owner { kNone, kCaller, kThread };
 
-  const std::chrono::microseconds spin_;
+  // Runs queued tasks on the calling thread, which holds the loop (as a
+  // caller or as the loop's thread), until the queue is empty or, for a
+  // caller, a task that must run on the loop's thread is next.
+  void Drain(bool on_thread) TANDEM_EXCLUDES(mu_);
+  void ThreadMain();
+  void RunTask(Task& task);
+  void Queued() TANDEM_REQUIRES(mu_);
+
   Mutex mu_;
   CondVar wake_;
-  std::deque<Task> queue_ TANDEM_GUARDED_BY(mu_);
+  std::deque<Entry> queue_ TANDEM_GUARDED_BY(mu_);
+  Owner owner_ TANDEM_GUARDED_BY(mu_) = Owner::kNone;
+  // Offloaded by the task running now: they go before the rest, in order.
+  size_t offloaded_ TANDEM_GUARDED_BY(mu_) = 0;
   bool stopping_ TANDEM_GUARDED_BY(mu_) = false;
-  bool sleeping_ TANDEM_GUARDED_BY(mu_) = false;
-  // Tasks queued and not yet taken (read without the lock while spinning).
-  std::atomic<size_t> queued_{0};
+  bool stopped_ TANDEM_GUARDED_BY(mu_) = false;
   std::atomic<uint64_t> tasks_run_{0};
+  std::atomic<uint64_t> tasks_on_thread_{0};
   std::atomic<size_t> max_queued_{0};
-  std::atomic<std::thread::id> thread_id_{};
   Mutex stop_mu_;
   std::thread thread_;
 };
