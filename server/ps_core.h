@@ -59,7 +59,10 @@
 // then the updates after it, in order.
 //
 // Thread safety: thread-safe. Callbacks (replies, links) are invoked without
-// the store's locks held.
+// the store's locks held. In a server every change comes from the shard's
+// loop (server/shard_loop.h), one at a time, so the locks are uncontended
+// on the data path; they stay for the readers (statistics, a checkpoint's
+// capture) and for callers without a loop (tests, benchmarks).
 #pragma once
 
 #include <atomic>
