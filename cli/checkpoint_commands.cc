@@ -827,7 +827,9 @@ int PsStatsCommand(int argc, char** argv) {
       if (!o.status.ok()) continue;
       for (const auto& p : o.stats.partitions()) copies[p.partition_id()].push_back({p.version(), p.state_crc32c()});
     }
-    for (const auto& [id, c] : copies) {
+    for (const auto& entry : copies) {
+      const auto& id = entry.first;
+      const auto& c = entry.second;  // not a structured binding: clang 14 cannot capture one in a lambda
       if (c.size() < 2) {
         single.push_back(id);
         continue;

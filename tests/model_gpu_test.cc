@@ -137,7 +137,10 @@ TEST_F(ModelGpuTest, ForwardMatchesTheCpu) {
 }
 
 TEST_F(ModelGpuTest, BackwardMatchesTheCpuAndReportsTheSameSuffixes) {
-  auto [cpu, gpu] = Pair(Small(0));
+  // Not a structured binding: clang 14 cannot capture one in a lambda.
+  auto models = Pair(Small(0));
+  Model& cpu = models.first;
+  Model& gpu = models.second;
   const int batch = 4;
   const auto tokens = Bytes(static_cast<size_t>(batch) * 16, 3), targets = Bytes(static_cast<size_t>(batch) * 16, 4);
   ASSERT_TRUE(cpu.Forward(tokens.data(), targets.data(), batch).ok());
@@ -194,7 +197,10 @@ TEST_F(ModelGpuTest, OnDemandParametersAreTakenInTheCpusOrder) {
   // come back through the engine's pinned staging buffer instead.
   for (const bool paged : {false, true}) {
     SCOPED_TRACE(paged ? "paged" : "not paged");
-    auto [cpu, gpu] = Pair(Small(0));
+    // Not a structured binding: clang 14 cannot capture one in a lambda.
+    auto models = Pair(Small(0));
+    Model& cpu = models.first;
+    Model& gpu = models.second;
     // Both models see the same acquire/release calls; the GPU's parameters
     // come from the host buffer only through them (the buffer is cleared
     // outside the segment being uploaded).

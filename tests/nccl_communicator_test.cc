@@ -36,8 +36,10 @@ using comm::CommInfo;
 using comm::DType;
 using comm::ReduceOp;
 
-constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32, DType::kInt64};
-constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax};
+// Used by the GPU tests only (unused when the GPU backend is off).
+[[maybe_unused]] constexpr DType kDTypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kInt32,
+                                              DType::kInt64};
+[[maybe_unused]] constexpr ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAvg, ReduceOp::kMin, ReduceOp::kMax};
 
 bool Contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
