@@ -38,8 +38,11 @@ test: build
 
 # The same suite under AddressSanitizer and UndefinedBehaviorSanitizer (CUDA
 # code is not instrumented, so the GPU backend is left out of this build).
+# Built with clang, which also checks the lock annotations: -Wthread-safety,
+# and every warning an error (TANDEM_THREAD_SAFETY, see common/mutex.h).
 test-asan:
-	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=Debug CUDA=OFF SANITIZE=address,undefined
+	$(MAKE) test BUILD_DIR=build-asan BUILD_TYPE=Debug CUDA=OFF SANITIZE=address,undefined \
+		CMAKE_FLAGS="-DCMAKE_C_COMPILER=clang-14 -DCMAKE_CXX_COMPILER=clang++-14 -DTANDEM_THREAD_SAFETY=ON $(CMAKE_FLAGS)"
 
 # ThreadSanitizer, for Tandem's own concurrent parts (label "concurrency"; see
 # tests/concurrency_test.cc for why tests that cross gRPC are left out).

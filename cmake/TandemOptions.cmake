@@ -8,6 +8,9 @@ set(TANDEM_CUDA_ARCHITECTURES "80;90" CACHE STRING "GPU architectures to compile
 set(TANDEM_SANITIZE "" CACHE STRING
     "Sanitizers, comma-separated: address, undefined, thread (thread excludes address)")
 option(TANDEM_WERROR "Treat compiler warnings as errors" OFF)
+option(TANDEM_THREAD_SAFETY
+       "Check the lock annotations (common/thread_annotations.h) with clang's -Wthread-safety, as errors (clang only)"
+       OFF)
 
 string(TOUPPER "${TANDEM_WITH_CUDA}" _cuda_mode)
 if(NOT _cuda_mode MATCHES "^(AUTO|ON|OFF)$")
@@ -77,10 +80,18 @@ if(TANDEM_SANITIZE)
   add_link_options(${TANDEM_SANITIZE_FLAGS})
 endif()
 
+# --- Lock annotations -----------------------------------------------------------
+# clang checks TANDEM_GUARDED_BY, TANDEM_REQUIRES and the rest against the
+# capabilities of tandem::Mutex (common/mutex.h); gcc has no such analysis.
+if(TANDEM_THREAD_SAFETY AND NOT CMAKE_CXX_COMPILER_ID STREQUAL "Clang")
+  message(FATAL_ERROR "TANDEM_THREAD_SAFETY=ON needs clang (-Wthread-safety), not ${CMAKE_CXX_COMPILER_ID}: "
+                      "configure with -DCMAKE_CXX_COMPILER=clang++-14 -DCMAKE_C_COMPILER=clang-14")
+endif()
+
 # --- Warnings: applied to Tandem's own targets through this interface target --
 add_library(tandem_warnings INTERFACE)
 target_compile_options(tandem_warnings INTERFACE
   $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast
     -Wcast-align -Woverloaded-virtual -Wimplicit-fallthrough -Wformat=2>
   $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:Clang>>:-Wthread-safety>
-  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${TANDEM_WERROR}>>:-Werror>)
+  $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<OR:$<BOOL:${TANDEM_WERROR}>,$<BOOL:${TANDEM_THREAD_SAFETY}>>>:-Werror>)

@@ -17,6 +17,9 @@ if [ "${1:-}" = "--no-tools" ]; then WITH_TOOLS=0; fi
 PACKAGES=(
   # toolchain
   build-essential cmake ninja-build pkg-config git clang-format clang-tidy
+  # clang builds make test-asan and checks the lock annotations (-Wthread-safety);
+  # its sanitizer runtimes are only a recommendation of clang-14
+  clang-14 libclang-rt-14-dev
   # control plane: gRPC and Protocol Buffers
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   # data plane: UCX (shared memory, TCP, verbs)
