@@ -3,17 +3,22 @@
 #include <algorithm>
 #include <cctype>
 
-#include <google/protobuf/util/time_util.h>
 #include <spdlog/spdlog.h>
 
 #include "common/config.h"
 #include "common/grpc_util.h"
 #include "coordinator/assignment.h"
+#include "coordinator/coordinator_core_util.h"
 
 namespace tandem::coordinator {
 namespace {
 
-using google::protobuf::util::TimeUtil;
+using core_util::FromMs;
+using core_util::HostKey;
+using core_util::RoleName;
+using core_util::StateName;
+using core_util::Timestamp;
+using core_util::ToMs;
 using std::chrono::milliseconds;
 
 constexpr size_t kMaxJobIdBytes = 128;
@@ -27,39 +32,6 @@ constexpr uint32_t kMaxWorkers = 65536;
 constexpr milliseconds kForgetAfter{600000};
 constexpr size_t kMaxRemembered = 1024;
 
-milliseconds ToMs(const google::protobuf::Duration& d) {
-  return milliseconds(TimeUtil::DurationToMilliseconds(d));
-}
-google::protobuf::Duration FromMs(milliseconds ms) {
-  return TimeUtil::MillisecondsToDuration(ms.count());
-}
-google::protobuf::Timestamp Timestamp(int64_t unix_ms) {
-  return TimeUtil::MillisecondsToTimestamp(unix_ms);
-}
-
-std::string StateName(v1::MemberState s) {
-  switch (s) {
-    case v1::MEMBER_STATE_JOINING:
-      return "joining";
-    case v1::MEMBER_STATE_ACTIVE:
-      return "active";
-    case v1::MEMBER_STATE_DRAINING:
-      return "draining";
-    case v1::MEMBER_STATE_LEFT:
-      return "left";
-    case v1::MEMBER_STATE_DEAD:
-      return "dead";
-    case v1::MEMBER_STATE_HELD_OUT:
-      return "held_out";
-    default:
-      return "unspecified";
-  }
-}
-
-std::string RoleName(v1::Role r) {
-  return r == v1::ROLE_SERVER ? "server" : "worker";
-}
-
 Status ValidateJobId(const std::string& job_id) {
   if (job_id.empty()) return InvalidArgument("job_id: empty; name the job (letters, digits, '.', '_', '-')");
   if (job_id.size() > kMaxJobIdBytes) {
@@ -71,10 +43,6 @@ Status ValidateJobId(const std::string& job_id) {
     }
   }
   return Status::Ok();
-}
-
-std::string HostKey(const v1::NodeIdentity& node) {
-  return node.node_id().empty() ? node.hostname() : node.node_id();
 }
 
 }  // namespace
@@ -97,7 +65,7 @@ CoordinatorCore::CoordinatorCore(CoreOptions options, Store* store, const Clock*
     : options_(std::move(options)), store_(store), clock_(clock), random_(std::random_device{}()) {}
 
 uint64_t CoordinatorCore::incarnation() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return incarnation_;
 }
 
@@ -105,14 +73,16 @@ void CoordinatorCore::SetChangeListener(std::function<void(bool)> listener) {
   listener_ = std::move(listener);
 }
 
-void CoordinatorCore::FlushNotify(std::unique_lock<std::mutex>& lock) {
+void CoordinatorCore::FlushNotify() {
   if (!notify_ || !listener_) return;
   const bool epochs = notify_epochs_;
   notify_ = false;
   notify_epochs_ = false;
-  lock.unlock();
+  // The caller's MutexLock stays in charge of mu_: it is released only
+  // while the listener runs, and held again when this returns.
+  mu_.Unlock();
   listener_(epochs);
-  lock.lock();
+  mu_.Lock();
 }
 
 // --- durability ----------------------------------------------------------------
@@ -223,7 +193,7 @@ std::optional<std::pair<uint64_t, std::string>> CoordinatorCore::PrepareSnapshot
 void CoordinatorCore::WriteSnapshot(uint64_t sequence, std::string payload) {
   // Called without the lock: the store waits for durability and fsyncs.
   const Status s = store_->WriteSnapshot(sequence, std::move(payload));
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   snapshot_running_ = false;
   if (!s.ok()) {
     spdlog::error("cannot write a snapshot: {}", s.message());
@@ -234,7 +204,7 @@ void CoordinatorCore::WriteSnapshot(uint64_t sequence, std::string payload) {
 
 Status CoordinatorCore::Recover() {
   TANDEM_ASSIGN_OR_RETURN(Recovery recovery, store_->Recover());
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   for (const auto& w : recovery.warnings) spdlog::warn("store: {}", w);
   if (recovery.snapshot_sequence > 0) {
     internal::Snapshot snapshot;
@@ -282,7 +252,7 @@ Status CoordinatorCore::Recover() {
   for (const auto& [id, job] : jobs_) members += job.members.size();
   spdlog::info("recovered {} job(s), {} member(s), {} record(s) after snapshot {}; incarnation {}", jobs_.size(),
                members, recovery.records.size(), recovery.snapshot_sequence, incarnation_);
-  lock.unlock();
+  lock.Unlock();
   return store_->WaitDurable(seq);
 }
 
@@ -443,7 +413,7 @@ Status CoordinatorCore::CreateJob(const v1::JobSpec& requested) {
   TANDEM_ASSIGN_OR_RETURN(v1::JobSpec spec, ValidateSpec(requested));
   uint64_t seq = 0;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (auto it = jobs_.find(spec.job_id()); it != jobs_.end() && !it->second.spec.job_id().empty()) {
       return AlreadyExists("job '{}' exists", spec.job_id());
     }
@@ -474,7 +444,7 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
     TANDEM_RETURN_IF_ERROR(ParseHostPort(request.control_address()).status().WithContext("control_address"));
   }
 
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   auto it = jobs_.find(request.job_id());
   if (it == jobs_.end() || it->second.spec.job_id().empty()) {
     if (!request.has_job_spec()) {
@@ -575,7 +545,7 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   resp.set_coordinator_incarnation(incarnation_);
   if (job.latest.epoch() > 0) *resp.mutable_current_epoch() = View(job, member_id, v1::PEER_VIEW_SELF);
   reply.durable_after = seq;
-  FlushNotify(lock);
+  FlushNotify();
   return reply;
 }
 
@@ -633,15 +603,79 @@ void CoordinatorCore::MaybeCloseRendezvous(Job& job) {
   }
 }
 
+// The epoch PublishEpoch computed: its message, the placement it came from,
+// and the servers in it (by member id).
+struct CoordinatorCore::NextEpoch {
+  v1::MembershipEpoch epoch;
+  MeshPlan plan;
+  std::vector<uint64_t> servers;
+  bool paused = false;
+  // False when the epoch would rank the same members as the latest one (the
+  // caller then publishes nothing, so members do not rebuild for nothing).
+  bool changed = true;
+};
+
 bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail, bool pause) {
   job.window_closes.reset();
+  auto next = ComputeEpoch(job, cause, detail, pause);
+  if (!next.ok()) {
+    job.waiting_reason = "no epoch can form: " + next.status().message();
+    spdlog::warn("job '{}': {}", job.spec.job_id(), job.waiting_reason);
+    return false;
+  }
+  if (!next->changed) {
+    job.waiting_reason = next->plan.standby.empty() ? "" : "standby: " + next->plan.standby_reason;
+    return true;
+  }
+  RecordEpoch(job, *next);
+  AnnounceEpoch(job, *next, detail);
+  return true;
+}
+
+namespace {
+
+// The shard map of the next epoch: the latest one's partitions reassigned
+// over `servers`, or a new map when there is none yet. Left unset when the
+// map cannot be built (which is logged).
+void AssignShardMap(const v1::JobSpec& spec, const v1::ShardMap& latest, const std::vector<uint64_t>& servers,
+                    v1::MembershipEpoch& epoch) {
+  if (spec.parameter_count() > 0 && !servers.empty()) {
+    const uint64_t version = latest.version() + 1;
+    if (latest.partitions_size() > 0) {
+      auto change = ReassignShardMap(latest, servers, version);
+      if (change.ok()) {
+        *epoch.mutable_shard_map() = change->map;
+        if (!change->lost.empty()) {
+          spdlog::error("job '{}': {} partition(s) lost both their primary and their backup", spec.job_id(),
+                        change->lost.size());
+        }
+      } else {
+        spdlog::error("job '{}': shard map: {}", spec.job_id(), change.status().message());
+      }
+    } else {
+      auto map = BuildShardMap(spec.parameter_count(), spec.partition_size_bytes() / 4, servers, version);
+      if (map.ok()) {
+        *epoch.mutable_shard_map() = *map;
+      } else {
+        spdlog::error("job '{}': shard map: {}", spec.job_id(), map.status().message());
+      }
+    }
+  } else if (latest.partitions_size() > 0) {
+    *epoch.mutable_shard_map() = latest;  // no live server: keep the map until one returns
+  }
+}
+
+}  // namespace
+
+Result<CoordinatorCore::NextEpoch> CoordinatorCore::ComputeEpoch(const Job& job, v1::EpochCause cause,
+                                                                 const std::string& detail, bool pause) const {
+  NextEpoch next;
   // Workers: survivors by their previous rank, then joiners in registration order, up to max_workers.
   std::vector<const Member*> candidates;
-  std::vector<uint64_t> servers;
   for (const auto& [id, m] : job.members) {
     if (!Alive(m) || m.record.state() == v1::MEMBER_STATE_DRAINING) continue;
     if (m.record.role() == v1::ROLE_SERVER) {
-      servers.push_back(id);
+      next.servers.push_back(id);
     } else {
       candidates.push_back(&m);
     }
@@ -660,41 +694,37 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     if (m->record.has_rank()) slot.previous_rank = m->record.rank();
     slots.push_back(std::move(slot));
   }
-  auto plan = PlanMesh(std::move(slots), job.spec.mesh());
-  if (!plan.ok()) {
-    job.waiting_reason = "no epoch can form: " + plan.status().message();
-    spdlog::warn("job '{}': {}", job.spec.job_id(), job.waiting_reason);
-    return false;
-  }
-  const bool paused = plan->ranked.size() < job.spec.min_workers() && (pause || job.latest.paused());
+  TANDEM_ASSIGN_OR_RETURN(next.plan, PlanMesh(std::move(slots), job.spec.mesh()));
+  const MeshPlan& plan = next.plan;
+  const std::vector<uint64_t>& servers = next.servers;
+  next.paused = plan.ranked.size() < job.spec.min_workers() && (pause || job.latest.paused());
   // Nothing changed (for example, the only joiners do not fit the mesh and
-  // stay on standby): publish nothing, so members do not rebuild for nothing.
-  if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE && paused == job.latest.paused()) {
+  // stay on standby): publish nothing.
+  if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE && next.paused == job.latest.paused()) {
     std::set<std::pair<uint64_t, uint32_t>> before;
     std::set<std::pair<uint64_t, uint32_t>> after;
     for (const auto& p : job.latest.peers()) before.emplace(p.member_id(), p.has_rank() ? p.rank().global_rank() : ~0u);
-    for (const auto& [id, rank] : plan->ranked) after.emplace(id, rank.global_rank());
+    for (const auto& [id, rank] : plan.ranked) after.emplace(id, rank.global_rank());
     for (uint64_t id : servers) after.emplace(id, ~0u);
     if (before == after) {
-      job.waiting_reason = plan->standby.empty() ? "" : "standby: " + plan->standby_reason;
-      return true;
+      next.changed = false;
+      return next;
     }
   }
-  v1::MembershipEpoch epoch;
+  v1::MembershipEpoch& epoch = next.epoch;
   epoch.set_epoch(job.latest.epoch() + 1);
   epoch.set_job_id(job.spec.job_id());
-  *epoch.mutable_mesh() = plan->mesh;
+  *epoch.mutable_mesh() = plan.mesh;
   epoch.set_state(v1::EPOCH_STATE_PENDING);
   *epoch.mutable_created_time() = Timestamp(clock_->UnixMillis());
   epoch.set_start_step(job.step);
   epoch.set_cause(cause);
   epoch.set_cause_detail(detail);
-  epoch.set_worker_count(static_cast<uint32_t>(plan->ranked.size()));
+  epoch.set_worker_count(static_cast<uint32_t>(plan.ranked.size()));
   epoch.set_server_count(static_cast<uint32_t>(servers.size()));
-  epoch.set_paused(paused);
-  std::set<uint64_t> ranked_ids;
-  for (const auto& [member_id, rank] : plan->ranked) {
-    const Member& m = job.members[member_id];
+  epoch.set_paused(next.paused);
+  for (const auto& [member_id, rank] : plan.ranked) {
+    const Member& m = job.members.at(member_id);
     auto* peer = epoch.add_peers();
     peer->set_member_id(member_id);
     peer->set_role(v1::ROLE_WORKER);
@@ -702,10 +732,9 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     *peer->mutable_node() = m.record.node();
     *peer->mutable_endpoints() = m.record.endpoints();
     peer->set_control_address(m.record.control_address());
-    ranked_ids.insert(member_id);
   }
   for (uint64_t id : servers) {
-    const Member& m = job.members[id];
+    const Member& m = job.members.at(id);
     auto* peer = epoch.add_peers();
     peer->set_member_id(id);
     peer->set_role(v1::ROLE_SERVER);
@@ -713,33 +742,16 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     *peer->mutable_endpoints() = m.record.endpoints();
     peer->set_control_address(m.record.control_address());
   }
-  if (job.spec.parameter_count() > 0 && !servers.empty()) {
-    const uint64_t version = job.latest.shard_map().version() + 1;
-    if (job.latest.shard_map().partitions_size() > 0) {
-      auto change = ReassignShardMap(job.latest.shard_map(), servers, version);
-      if (change.ok()) {
-        *epoch.mutable_shard_map() = change->map;
-        if (!change->lost.empty()) {
-          spdlog::error("job '{}': {} partition(s) lost both their primary and their backup", job.spec.job_id(),
-                        change->lost.size());
-        }
-      } else {
-        spdlog::error("job '{}': shard map: {}", job.spec.job_id(), change.status().message());
-      }
-    } else {
-      auto map = BuildShardMap(job.spec.parameter_count(), job.spec.partition_size_bytes() / 4, servers, version);
-      if (map.ok()) {
-        *epoch.mutable_shard_map() = *map;
-      } else {
-        spdlog::error("job '{}': shard map: {}", job.spec.job_id(), map.status().message());
-      }
-    }
-  } else if (job.latest.shard_map().partitions_size() > 0) {
-    *epoch.mutable_shard_map() = job.latest.shard_map();  // no live server: keep the map until one returns
-  }
+  AssignShardMap(job.spec, job.latest.shard_map(), servers, epoch);
+  return next;
+}
 
+void CoordinatorCore::RecordEpoch(Job& job, const NextEpoch& next) {
+  const MeshPlan& plan = next.plan;
   // Member records: ranks for the placed, standby for the rest.
-  for (const auto& [member_id, rank] : plan->ranked) {
+  std::set<uint64_t> ranked_ids;
+  for (const auto& [member_id, rank] : plan.ranked) {
+    ranked_ids.insert(member_id);
     Member& m = job.members[member_id];
     if (m.record.state() == v1::MEMBER_STATE_ACTIVE && m.record.has_rank() && m.record.rank() == rank.global_rank()) {
       continue;
@@ -751,7 +763,7 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
     r.mutable_member()->set_has_rank(true);
     Commit(std::move(r));
   }
-  for (uint64_t id : servers) {
+  for (uint64_t id : next.servers) {
     Member& m = job.members[id];
     if (m.record.state() != v1::MEMBER_STATE_ACTIVE) SetMemberState(m, v1::MEMBER_STATE_ACTIVE, "");
   }
@@ -762,26 +774,36 @@ bool CoordinatorCore::PublishEpoch(Job& job, v1::EpochCause cause, const std::st
       r.mutable_member()->set_has_rank(false);
       r.mutable_member()->set_state(m.record.state() == v1::MEMBER_STATE_DRAINING ? v1::MEMBER_STATE_DRAINING
                                                                                   : v1::MEMBER_STATE_JOINING);
-      r.mutable_member()->set_detail(plan->standby_reason);
+      r.mutable_member()->set_detail(plan.standby_reason);
       Commit(std::move(r));
     }
   }
+  // The epoch itself, last: Apply makes it the job's latest and queues the
+  // watchers' wake-up (NotifyLater).
   internal::Record r;
-  *r.mutable_epoch() = epoch;
+  *r.mutable_epoch() = next.epoch;
   Commit(std::move(r));
   ++stats_.epochs_published;
-  job.waiting_reason = plan->standby.empty() ? "" : "standby: " + plan->standby_reason;
-  if (paused) {
+}
+
+void CoordinatorCore::AnnounceEpoch(Job& job, const NextEpoch& next, const std::string& detail) {
+  // Members learn of the epoch through their watch streams: the caller's
+  // FlushNotify wakes the watchers, which send the epoch (NextUpdate) once
+  // the store is durable up to its record. Status and the log learn here.
+  const v1::MembershipEpoch& epoch = next.epoch;
+  const MeshPlan& plan = next.plan;
+  job.waiting_reason = plan.standby.empty() ? "" : "standby: " + plan.standby_reason;
+  if (next.paused) {
     job.waiting_reason = fmt::format(
         "training paused: {} of the {} workers the job needs (min_workers); waiting for "
         "joins",
         epoch.worker_count(), job.spec.min_workers());
   }
-  spdlog::info("job '{}': epoch {} published ({}): {} workers (dp={} tp={} pp={}), {} servers{}{}", job.spec.job_id(),
-               epoch.epoch(), detail, epoch.worker_count(), epoch.mesh().dp(), epoch.mesh().tp(), epoch.mesh().pp(),
-               epoch.server_count(), plan->standby.empty() ? "" : fmt::format(", {} on standby", plan->standby.size()),
-               paused ? fmt::format("; training paused below the minimum of {} workers", job.spec.min_workers()) : "");
-  return true;
+  spdlog::info(
+      "job '{}': epoch {} published ({}): {} workers (dp={} tp={} pp={}), {} servers{}{}", job.spec.job_id(),
+      epoch.epoch(), detail, epoch.worker_count(), epoch.mesh().dp(), epoch.mesh().tp(), epoch.mesh().pp(),
+      epoch.server_count(), plan.standby.empty() ? "" : fmt::format(", {} on standby", plan.standby.size()),
+      next.paused ? fmt::format("; training paused below the minimum of {} workers", job.spec.min_workers()) : "");
 }
 
 void CoordinatorCore::MaybeActivate(Job& job) {
@@ -860,7 +882,7 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
   if (static_cast<size_t>(request.collectives_size()) > kMaxCollectives) {
     return InvalidArgument("collectives: {} given, at most {} accepted", request.collectives_size(), kMaxCollectives);
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
   if (request.epoch() > job->latest.epoch()) {
@@ -894,7 +916,7 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
 
 Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(const v1::AckEpochRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
   Reply<v1::AckEpochResponse> reply;
@@ -913,7 +935,7 @@ Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(c
     DeclareDead(*job, {{member->record.member_id(),
                         "could not join epoch " + std::to_string(request.epoch()) + ": " + request.error()}});
     reply.durable_after = last_sequence_;
-    FlushNotify(lock);
+    FlushNotify();
     return Aborted("epoch {} abandoned: member {} could not join it", request.epoch(), member->record.member_id());
   }
   member->last_heartbeat = clock_->Now();
@@ -922,13 +944,13 @@ Result<CoordinatorCore::Reply<v1::AckEpochResponse>> CoordinatorCore::AckEpoch(c
   reply.response.set_state(job->latest.state());
   reply.response.set_pending_acks(static_cast<uint32_t>(job->pending_acks));
   reply.durable_after = last_sequence_;
-  FlushNotify(lock);
+  FlushNotify();
   return reply;
 }
 
 Result<CoordinatorCore::Reply<v1::LeaveResponse>> CoordinatorCore::Leave(const v1::LeaveRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
   const uint64_t id = member->record.member_id();
@@ -942,7 +964,7 @@ Result<CoordinatorCore::Reply<v1::LeaveResponse>> CoordinatorCore::Leave(const v
   }
   reply.response.set_next_epoch(job->latest.epoch());
   reply.durable_after = last_sequence_;
-  FlushNotify(lock);
+  FlushNotify();
   return reply;
 }
 
@@ -952,7 +974,7 @@ Status CoordinatorCore::PutEpochValue(const v1::PutEpochValueRequest& request) {
   if (request.value().size() > kMaxValueBytes) {
     return InvalidArgument("value: {} bytes, at most {} accepted", request.value().size(), kMaxValueBytes);
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_RETURN_IF_ERROR(FindMember(*job, request.member_id(), request.session_id()).status());
   if (request.epoch() != job->latest.epoch()) {
@@ -967,14 +989,14 @@ Status CoordinatorCore::PutEpochValue(const v1::PutEpochValueRequest& request) {
     return ResourceExhausted("epoch {} already has {} values", request.epoch(), kMaxValues);
   job->values[request.key()] = request.value();
   NotifyLater(false);
-  FlushNotify(lock);
+  FlushNotify();
   return Status::Ok();
 }
 
 Result<v1::GetEpochValuesResponse> CoordinatorCore::GetEpochValues(const v1::GetEpochValuesRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
   if (static_cast<size_t>(request.keys_size()) > kMaxValues) return InvalidArgument("keys: at most {}", kMaxValues);
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_RETURN_IF_ERROR(FindMember(*job, request.member_id(), request.session_id()).status());
   if (request.epoch() != job->latest.epoch()) {
@@ -992,89 +1014,12 @@ Result<v1::GetEpochValuesResponse> CoordinatorCore::GetEpochValues(const v1::Get
   return response;
 }
 
-// --- watch streams ----------------------------------------------------------------------
-
-Result<uint64_t> CoordinatorCore::AttachStream(const v1::WatchMembershipRequest& request) {
-  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::lock_guard<std::mutex> lock(mu_);
-  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
-  TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
-  member->stream_broken = false;
-  member->last_heartbeat = clock_->Now();
-  return ++member->stream_generation;
-}
-
-void CoordinatorCore::DetachStream(const std::string& job_id, uint64_t member_id, uint64_t session_id,
-                                   uint64_t generation) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto job = jobs_.find(job_id);
-  if (job == jobs_.end()) return;
-  auto m = job->second.members.find(member_id);
-  if (m == job->second.members.end() || m->second.record.session_id() != session_id ||
-      m->second.stream_generation != generation) {
-    return;
-  }
-  m->second.stream_broken = true;
-  m->second.stream_broken_at = clock_->Now();
-}
-
-v1::MembershipEpoch CoordinatorCore::View(const Job& job, uint64_t member_id, v1::PeerView view) const {
-  if (view == v1::PEER_VIEW_FULL || view == v1::PEER_VIEW_UNSPECIFIED) return job.latest;
-  v1::MembershipEpoch out = job.latest_header;  // no peers: partial views cost O(their size)
-  auto self = job.latest_index.find(member_id);
-  if (view == v1::PEER_VIEW_SELF) {
-    if (self != job.latest_index.end()) *out.add_peers() = job.latest.peers(self->second);
-    return out;
-  }
-  // PEER_VIEW_LOCAL: the workers of this member's node, and the servers.
-  if (self != job.latest_index.end() && job.latest.peers(self->second).role() == v1::ROLE_WORKER) {
-    auto node = job.latest_by_node.find(HostKey(job.latest.peers(self->second).node()));
-    if (node != job.latest_by_node.end()) {
-      for (int i : node->second) *out.add_peers() = job.latest.peers(i);
-    }
-  }
-  for (int i : job.latest_servers) *out.add_peers() = job.latest.peers(i);
-  return out;
-}
-
-Result<std::optional<v1::WatchMembershipResponse>> CoordinatorCore::NextUpdate(
-    const v1::WatchMembershipRequest& request, WatchPosition& position) {
-  std::lock_guard<std::mutex> lock(mu_);
-  TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
-  auto m = job->members.find(request.member_id());
-  if (m == job->members.end() || m->second.record.session_id() != request.session_id()) {
-    return NotFound("member {} is no longer known; register again", request.member_id());
-  }
-  if (!Alive(m->second)) {
-    if (m->second.record.state() == v1::MEMBER_STATE_LEFT && m->second.record.detail().rfind("rendezvous", 0) == 0) {
-      return DeadlineExceeded("{}", m->second.record.detail());
-    }
-    return FailedPrecondition("member {} is {}: {}", request.member_id(), StateName(m->second.record.state()),
-                              m->second.record.detail());
-  }
-  if (job->latest.epoch() == 0 || store_->durable_sequence() < job->latest_sequence)
-    return std::optional<v1::WatchMembershipResponse>();
-  v1::WatchMembershipResponse response;
-  if (job->latest.epoch() > position.epoch) {
-    *response.mutable_epoch() = View(*job, request.member_id(), request.peer_view());
-  } else if (job->latest.epoch() == position.epoch && job->latest.state() != position.state) {
-    auto* change = response.mutable_state_change();
-    change->set_epoch(job->latest.epoch());
-    change->set_state(job->latest.state());
-    *change->mutable_time() =
-        job->latest.state() == v1::EPOCH_STATE_ACTIVE ? job->latest.activated_time() : job->latest.created_time();
-  } else {
-    return std::optional<v1::WatchMembershipResponse>();
-  }
-  position.epoch = job->latest.epoch();
-  position.state = job->latest.state();
-  return std::optional<v1::WatchMembershipResponse>(std::move(response));
-}
+// --- watch streams: coordinator_watch.cc ----------------------------------------------------
 
 // --- timers ----------------------------------------------------------------------------------
 
 void CoordinatorCore::Tick() {
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   const auto now = clock_->Now();
   // If the coordinator itself stalled (the machine was overloaded, the process
   // was stopped), members could not be heard meanwhile: do not blame them.
@@ -1137,120 +1082,18 @@ void CoordinatorCore::Tick() {
     }
   }
   auto snapshot = PrepareSnapshot();
-  FlushNotify(lock);
+  FlushNotify();
   if (snapshot) {
-    lock.unlock();
+    lock.Unlock();
     WriteSnapshot(snapshot->first, std::move(snapshot->second));
   }
 }
 
-// --- status and admin --------------------------------------------------------------------------
-
-Result<v1::GetStatusResponse> CoordinatorCore::GetStatus(const v1::GetStatusRequest& request) {
-  TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::lock_guard<std::mutex> lock(mu_);
-  TANDEM_ASSIGN_OR_RETURN(const Job* found, FindAdminJob(request.job_id()));
-  const Job& job = *found;
-  const auto now = clock_->Now();
-  v1::GetStatusResponse response;
-  *response.mutable_job_spec() = job.spec;
-  if (job.latest.state() == v1::EPOCH_STATE_ACTIVE) {
-    response.set_active_epoch(job.latest.epoch());
-    *response.mutable_active_since() = job.latest.activated_time();
-  } else if (job.latest.epoch() > 0) {
-    response.set_pending_epoch(job.latest.epoch());
-  }
-  *response.mutable_mesh() = job.latest.mesh();
-  *response.mutable_shard_map() = job.latest.shard_map();
-  response.set_step(job.step);
-  response.set_coordinator_incarnation(incarnation_);
-  std::map<uint64_t, v1::RankAssignment> ranks;
-  for (const auto& p : job.latest.peers()) {
-    if (p.has_rank()) ranks[p.member_id()] = p.rank();
-  }
-  uint32_t waiting_workers = 0;
-  uint32_t waiting_servers = 0;
-  const auto interval = ToMs(job.spec.heartbeat_interval());
-  for (const auto& [id, m] : job.members) {
-    auto* s = response.add_members();
-    s->set_member_id(id);
-    s->set_role(m.record.role());
-    s->set_state(m.record.state());
-    if (auto r = ranks.find(id); r != ranks.end()) *s->mutable_rank() = r->second;
-    *s->mutable_node() = m.record.node();
-    s->set_last_step(m.last_step);
-    const auto age = std::max(milliseconds(0), std::chrono::duration_cast<milliseconds>(now - m.last_heartbeat));
-    *s->mutable_last_heartbeat_age() = FromMs(age);
-    s->set_epoch(m.epoch_seen);
-    *s->mutable_collectives() = {m.collectives.begin(), m.collectives.end()};
-    s->set_control_address(m.record.control_address());
-    *s->mutable_registered_time() = Timestamp(m.record.registered_unix_ms());
-    s->set_capacity_bytes(m.record.capacity_bytes());
-    if (auto h = job.hosts.find(HostKey(m.record.node())); h != job.hosts.end()) {
-      s->set_host_failures(h->second.failures());
-      if (h->second.held_out_until_unix_ms() > 0)
-        *s->mutable_held_out_until() = Timestamp(h->second.held_out_until_unix_ms());
-    }
-    if (age > 2 * interval) {
-      s->set_health(v1::MEMBER_HEALTH_LATE);
-    } else if (m.record.role() == v1::ROLE_WORKER && job.step > m.last_step + 2 && Alive(m)) {
-      s->set_health(v1::MEMBER_HEALTH_STRAGGLER);
-    } else {
-      s->set_health(v1::MEMBER_HEALTH_HEALTHY);
-    }
-    if (Alive(m) && m.record.state() == v1::MEMBER_STATE_JOINING) {
-      (m.record.role() == v1::ROLE_WORKER ? waiting_workers : waiting_servers)++;
-    }
-  }
-  // A collective is stalled when some members of its communicator entered it
-  // (and wait inside it) and others did not. Every worker belongs to "world";
-  // the members of a subgroup ("node/0", "dp/3", ...) are those that report it.
-  std::map<std::string, uint64_t> newest;
-  for (const auto& [id, m] : job.members) {
-    for (const auto& c : m.collectives) newest[c.communicator()] = std::max(newest[c.communicator()], c.last_entered());
-  }
-  for (const auto& [name, seq] : newest) {
-    v1::StalledCollective stalled;
-    stalled.set_communicator(name);
-    stalled.set_sequence(seq);
-    milliseconds longest{0};
-    for (const auto& [id, m] : job.members) {
-      if (!InLatest(job, id) || m.record.role() != v1::ROLE_WORKER) continue;
-      uint64_t entered = 0;
-      bool member = name == "world";
-      for (const auto& c : m.collectives) {
-        if (c.communicator() == name) {
-          member = true;
-          entered = c.last_entered();
-          if (c.last_entered() == seq && c.last_completed() < seq) longest = std::max(longest, ToMs(c.in_flight()));
-        }
-      }
-      if (member && entered < seq) {
-        stalled.add_waiting_for_member_ids(id);
-        if (auto r = ranks.find(id); r != ranks.end()) stalled.add_waiting_for_ranks(r->second.global_rank());
-      }
-    }
-    // Someone must be waiting inside it: a member merely a heartbeat behind is not a stall.
-    if (stalled.waiting_for_member_ids_size() > 0 && longest > milliseconds(0)) {
-      *stalled.mutable_stalled_for() = FromMs(longest);
-      *response.add_stalled_collectives() = std::move(stalled);
-    }
-  }
-  response.set_waiting_reason(job.waiting_reason);
-  auto* rv = response.mutable_rendezvous();
-  rv->set_open(job.latest.epoch() == 0 || job.window_closes.has_value());
-  rv->set_waiting_workers(waiting_workers);
-  rv->set_waiting_servers(waiting_servers);
-  if (job.window_closes) {
-    const auto left = std::chrono::duration_cast<milliseconds>(*job.window_closes - now);
-    *rv->mutable_closes_at() = Timestamp(clock_->UnixMillis() + left.count());
-  }
-  return response;
-}
+// --- admin (GetStatus and TakeStats: coordinator_status.cc) ------------------------------------
 
 Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v1::DrainRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindAdminJob(request.job_id()));
   auto it = job->members.find(request.member_id());
   if (it == job->members.end() || !Alive(it->second)) {
@@ -1265,13 +1108,13 @@ Result<CoordinatorCore::Reply<v1::DrainResponse>> CoordinatorCore::Drain(const v
   }
   reply.response.set_state(v1::MEMBER_STATE_DRAINING);
   reply.durable_after = last_sequence_;
-  FlushNotify(lock);
+  FlushNotify();
   return reply;
 }
 
 Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v1::ScaleRequest& request) {
   TANDEM_RETURN_IF_ERROR(CheckToken(request.token()));
-  std::unique_lock<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindAdminJob(request.job_id()));
   v1::JobSpec wanted = job->spec;
   if (request.min_workers() != 0) wanted.set_min_workers(request.min_workers());
@@ -1316,30 +1159,15 @@ Result<CoordinatorCore::Reply<v1::ScaleResponse>> CoordinatorCore::Scale(const v
   *reply.response.mutable_job_spec() = job->spec;
   reply.response.set_workers(workers);
   reply.durable_after = last_sequence_;
-  FlushNotify(lock);
+  FlushNotify();
   return reply;
 }
 
 uint64_t CoordinatorCore::epoch_sequence() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   uint64_t seq = 0;
   for (const auto& [id, job] : jobs_) seq = std::max(seq, job.latest_sequence);
   return seq;
-}
-
-CoreStats CoordinatorCore::TakeStats() {
-  std::lock_guard<std::mutex> lock(mu_);
-  CoreStats out = stats_;
-  stats_.rendezvous_seconds.clear();
-  stats_.failure_to_epoch_seconds.clear();
-  out.members.clear();
-  for (const auto& [id, job] : jobs_) {
-    for (const auto& [mid, m] : job.members) {
-      ++out.members[{RoleName(m.record.role()), StateName(m.record.state())}];
-      out.failures_by_node.try_emplace({id, RoleName(m.record.role()), HostKey(m.record.node())}, 0);
-    }
-  }
-  return out;
 }
 
 }  // namespace tandem::coordinator

@@ -14,15 +14,17 @@
 // the timers (heartbeat deadlines, stream grace, rendezvous windows, join
 // timeouts) and is called by the service every few tens of milliseconds.
 //
+// The class is defined over three files: coordinator_core.cc (durability,
+// registration, epochs, timers, admin), coordinator_status.cc (GetStatus and
+// TakeStats) and coordinator_watch.cc (the watch streams' side).
+//
 // Thread safety: thread-safe (one mutex guards all jobs).
 #pragma once
 
 #include <chrono>
-#include <condition_variable>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <random>
 #include <set>
@@ -32,6 +34,7 @@
 #include <vector>
 
 #include "common/clock.h"
+#include "common/mutex.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "coordinator/store.h"
@@ -207,7 +210,18 @@ class CoordinatorCore {
   // `pause`: the epoch is paused if it has fewer workers than min_workers
   // (Scale raised the minimum). An epoch also stays paused, below the
   // minimum, when the latest one is.
+  // Three steps: ComputeEpoch forms it (changing nothing), RecordEpoch
+  // commits the members' new ranks and then the epoch, AnnounceEpoch sets
+  // the job's waiting reason and logs it (watchers are woken by the caller's
+  // FlushNotify).
   bool PublishEpoch(Job& job, v1::EpochCause cause, const std::string& detail, bool pause = false) TANDEM_REQUIRES(mu_);
+  struct NextEpoch;  // defined in coordinator_core.cc
+  // The next epoch from the job's live members (changed: false when it would
+  // rank the same members as the latest one); an error when the mesh cannot form.
+  Result<NextEpoch> ComputeEpoch(const Job& job, v1::EpochCause cause, const std::string& detail, bool pause) const
+      TANDEM_REQUIRES(mu_);
+  void RecordEpoch(Job& job, const NextEpoch& next) TANDEM_REQUIRES(mu_);
+  void AnnounceEpoch(Job& job, const NextEpoch& next, const std::string& detail) TANDEM_REQUIRES(mu_);
   void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
   void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
   // Marks members dead (id, why), counts one failure per host, and publishes
@@ -221,13 +235,22 @@ class CoordinatorCore {
     notify_ = true;
     notify_epochs_ = notify_epochs_ || epochs;
   }
-  void FlushNotify(std::unique_lock<std::mutex>& lock) TANDEM_REQUIRES(mu_);
+  // GetStatus's parts (coordinator_status.cc): one member's status, and the
+  // collectives some workers wait in for others.
+  void FillMemberStatus(const Job& job, uint64_t id, const Member& m,
+                        const std::map<uint64_t, v1::RankAssignment>& ranks, Clock::TimePoint now,
+                        v1::MemberStatus* status) const TANDEM_REQUIRES(mu_);
+  void AddStalledCollectives(const Job& job, const std::map<uint64_t, v1::RankAssignment>& ranks,
+                             v1::GetStatusResponse& response) const TANDEM_REQUIRES(mu_);
+  // Calls the listener if something changed, with mu_ released meanwhile
+  // (and held again on return: guarded state may have changed).
+  void FlushNotify() TANDEM_REQUIRES(mu_);
 
   const CoreOptions options_;
   Store* const store_;        // outlives the core (constructor contract)
   const Clock* const clock_;  // outlives the core (constructor contract)
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, Job> jobs_ TANDEM_GUARDED_BY(mu_);
   uint64_t next_member_id_ TANDEM_GUARDED_BY(mu_) = 1;
   uint64_t incarnation_ TANDEM_GUARDED_BY(mu_) = 0;
