@@ -8,6 +8,9 @@
 // endpoints and runs a handshake with every peer. When Connect returns OK on
 // all ranks, every pair can exchange messages.
 //
+// The implementation is under common/transport/ucx/ (core.h says which file
+// holds which part: set-up, connection, requests, progress, liveness).
+//
 // Design
 // - Two UCX contexts, one worker each: a shared-memory worker (posix, sysv,
 //   and cma when prefer_copy_shm is off) for peers on this host, and a network
@@ -150,6 +153,10 @@
 
 namespace tandem::transport {
 
+namespace ucx {
+class Core;  // the implementation (common/transport/ucx/core.h)
+}  // namespace ucx
+
 enum class UcxProgressMode {
   kAdaptive,  // poll while there is traffic, then sleep on the workers' events (default)
   kBusyPoll,  // never sleep (only yield to other runnable threads): lowest latency, one busy core per transport
@@ -248,11 +255,9 @@ class UcxTransport final : public Transport {
   // before it blocks.
   Progressed Progress() override;
 
-  class Core;  // implementation detail (ucx_transport.cc)
-
  private:
-  explicit UcxTransport(std::shared_ptr<Core> core) : core_(std::move(core)) {}
-  std::shared_ptr<Core> core_;
+  explicit UcxTransport(std::shared_ptr<ucx::Core> core) : core_(std::move(core)) {}
+  std::shared_ptr<ucx::Core> core_;
 };
 
 }  // namespace tandem::transport
