@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <regex>
 #include <set>
@@ -265,20 +266,159 @@ std::string EndedMessage(const Member& m, const Result<ExitInfo>& exit) {
                      tail.exception.empty() ? "" : ": " + tail.exception, m.daemon.log_file, tail.text);
 }
 
-}  // namespace
+// One local training run: LocalCluster::Start brings the cluster up,
+// Follow watches the training (and injects the faults asked for) until it
+// ends, Summarise asks the servers, stops everything and sums up.
+// RunLocalTraining (below) runs the three steps.
+class LocalCluster {
+ public:
+  LocalCluster(const ClusterOptions& o, ShutdownSignal& shutdown);
+  LocalCluster(const LocalCluster&) = delete;
+  LocalCluster& operator=(const LocalCluster&) = delete;
 
-Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
-  RunSummary summary;
-  summary.mode = o.train.mode;
-  summary.placement = o.train.placement;
-  summary.tensor_parallel = static_cast<uint32_t>(o.tp);
-  const auto print = [&o](const std::string& text) {
-    if (o.progress) {
-      fmt::print("{}", text);
-      std::fflush(stdout);
+  // Checks the options, learns the model, creates the simulated nodes and
+  // starts the coordinator, the servers and the workers. False when Ctrl-C
+  // came while a script described its model (summary() says interrupted);
+  // an error when the run could not start (whatever started is stopped).
+  Result<bool> Start();
+  // Follows the training until the last step is done, a process fails, the
+  // time runs out or Ctrl-C; then holds the cluster up if asked (--hold).
+  // REQUIRES: Start() returned true.
+  void Follow();
+  // Asks the servers for their updates and the workers for their peak
+  // memory, stops every process and returns the summary.
+  RunSummary Summarise();
+
+  const RunSummary& summary() const { return summary_; }
+
+ private:
+  // Start's steps.
+  Status CheckOptions();
+  Status PrepareWorkDir();
+  Status StartProcesses();
+  Status Launch(const std::string& binary, const std::string& name, int node, bool is_worker,
+                std::vector<std::string> args, decltype(LaunchSpec::command) command = nullptr);
+  Status LaunchWorker(int node);
+  // The CPUs worker `index` is bound to ("" when unbound).
+  std::string CpusOf(int index) const;
+  // Stops workers and servers at once, the coordinator last; what did not
+  // stop cleanly ("" if all did).
+  std::string StopAll();
+
+  // Follow's steps; each returns false when the run must end (the failure
+  // is in summary_ and was shown).
+  uint64_t LastStep() const;
+  void ShowProgress(uint64_t last);
+  void CheckProcesses();
+  void MaybeKillWorker(uint64_t last);
+  bool MaybeAddWorker(uint64_t last);
+  bool WaitForTheEnd(uint64_t last);
+  void HoldIfAsked();
+
+  // Summarise's steps.
+  void AskServers();
+  void ReadPeakMemory();
+  void Stop();
+  void SumUpSteps();
+
+  void Print(const std::string& text) const;
+  // A line of its own, after the live progress line if that is open.
+  void Event(const std::string& text);
+
+  const ClusterOptions& o_;
+  ShutdownSignal& shutdown_;
+  RunSummary summary_;
+  const int64_t workers_;  // at start
+  const bool script_;
+  int64_t servers_ = 0;
+  JobModel model_;
+  std::string work_dir_;
+  worker::TrainConfig train_;  // o_.train with this run's files
+  // With o_.bind, worker i runs on its share of the CPUs (an added worker
+  // shares those of worker i modulo the starting count).
+  std::vector<int> cpus_;
+  std::unique_ptr<NodeNetwork> network_;  // outlives members_ (declared before)
+  Clock::time_point t_start_{};
+  std::vector<Member> members_;  // the coordinator first
+  std::string coordinator_;      // its gRPC address
+  int next_worker_ = 0;
+  // The first process that ended with a failure while the cluster stopped
+  // (a script that raised as the others finished: it may still have been
+  // exiting when the run ended), named as a run failure is.
+  std::string ended_badly_;
+
+  // Following the training.
+  std::optional<ProgressReader> reader_;
+  std::map<uint64_t, Record> records_;
+  uint64_t shown_ = 0;
+  bool killed_ = false;
+  uint64_t killed_at_ = 0;
+  bool added_ = false;
+  bool tty_ = false;
+  std::string line_open_;                        // the live line is on screen (tty)
+  std::optional<Clock::time_point> done_since_;  // when the last step was reported
+  bool said_waiting_ = false;
+};
+
+LocalCluster::LocalCluster(const ClusterOptions& o, ShutdownSignal& shutdown)
+    : o_(o), shutdown_(shutdown), workers_(o.nodes * o.workers_per_node), script_(!o.script.file.empty()) {
+  summary_.mode = o.train.mode;
+  summary_.placement = o.train.placement;
+  summary_.tensor_parallel = static_cast<uint32_t>(o.tp);
+}
+
+void LocalCluster::Print(const std::string& text) const {
+  if (o_.progress) {
+    fmt::print("{}", text);
+    std::fflush(stdout);
+  }
+}
+
+void LocalCluster::Event(const std::string& text) {
+  if (!line_open_.empty()) Print("\n");
+  line_open_.clear();
+  Print(text + "\n");
+}
+
+std::string LocalCluster::CpusOf(int index) const {
+  return cpus_.empty() ? std::string() : FormatCpuList(ShareOfCpus(cpus_, index, static_cast<int>(workers_)));
+}
+
+// --- start -------------------------------------------------------------------
+
+Result<bool> LocalCluster::Start() {
+  TANDEM_RETURN_IF_ERROR(CheckOptions());
+  TANDEM_RETURN_IF_ERROR(PrepareWorkDir());
+  if (script_) {
+    Print(fmt::format("Running {} once to learn its model's size (describe mode) ...\n", o_.script.file));
+    auto described = ScriptModelOf(o_, train_, CpusOf(0), work_dir_, shutdown_);
+    if (described.status().code() == StatusCode::kCancelled) {
+      summary_.interrupted = true;
+      summary_.failure = "interrupted";
+      return false;
     }
-  };
-  const int64_t workers = o.nodes * o.workers_per_node;
+    TANDEM_ASSIGN_OR_RETURN(model_, std::move(described));
+  }
+  std::remove(train_.progress_file.c_str());
+  std::remove(train_.params_out.c_str());
+  TANDEM_ASSIGN_OR_RETURN(network_, NodeNetwork::Create(static_cast<int>(o_.nodes), o_.network));
+  summary_.network = network_->namespaces() ? "netns" : "loopback";
+
+  t_start_ = Clock::now();
+  Print(fmt::format(
+      "Tandem: {} mode, {} node(s) x {} worker(s), {} server(s), {} steps of {}\n  network: {}\n  logs: {}\n",
+      o_.train.mode, o_.nodes, o_.workers_per_node, servers_, o_.train.steps, model_.description, network_->Describe(),
+      work_dir_));
+  TANDEM_RETURN_IF_ERROR(StartProcesses());
+  Print(fmt::format(
+      "Started {} processes in {:.1f} s{}; training ...\n", members_.size(), Seconds(Clock::now() - t_start_),
+      cpus_.empty() ? std::string() : fmt::format(" (workers bound to their share of CPUs {})", FormatCpuList(cpus_))));
+  return true;
+}
+
+Status LocalCluster::CheckOptions() {
+  const ClusterOptions& o = o_;
+  const int64_t workers = workers_;
   if (workers < 1) return InvalidArgument("--nodes and --workers-per-node must give at least one worker");
   if (o.kill_worker_at > 0 && workers + (o.add_worker_at > 0 ? 1 : 0) < 2) {
     return InvalidArgument("--kill-worker-at needs at least two workers, so that one survives");
@@ -294,375 +434,388 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
     return InvalidArgument("--mode {} needs parameter servers (--servers >= 1); --mode allreduce runs without",
                            o.train.mode);
   }
-  const int64_t servers = servers_needed ? o.servers : 0;
-  const bool script = !o.script.file.empty();
-  JobModel model;
-  if (script) {
+  servers_ = servers_needed ? o.servers : 0;
+  if (script_) {
     TANDEM_RETURN_IF_ERROR(CheckScriptFiles(o.script));
   } else {
-    TANDEM_ASSIGN_OR_RETURN(model, ReferenceModel(o, workers));
+    TANDEM_ASSIGN_OR_RETURN(model_, ReferenceModel(o, workers));
   }
   TANDEM_RETURN_IF_ERROR(worker::RuntimeOptionsOf(o.train).status());
   if (!o.train.data.empty() && access(o.train.data.c_str(), R_OK) != 0) {
     return InvalidArgument("--data: cannot read '{}': {}", o.train.data, std::strerror(errno));
   }
+  return Status::Ok();
+}
 
-  std::string work_dir = o.work_dir;
-  if (work_dir.empty()) {
+Status LocalCluster::PrepareWorkDir() {
+  work_dir_ = o_.work_dir;
+  if (work_dir_.empty()) {
     std::string tmpl = "/tmp/tandem-run-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) {
       return Unavailable("cannot create a work directory under /tmp: {}", std::strerror(errno));
     }
-    work_dir = tmpl;
+    work_dir_ = tmpl;
   } else {
     std::error_code ec;
-    std::filesystem::create_directories(work_dir, ec);
-    if (ec) return InvalidArgument("work_dir: cannot create '{}': {}", work_dir, ec.message());
+    std::filesystem::create_directories(work_dir_, ec);
+    if (ec) return InvalidArgument("work_dir: cannot create '{}': {}", work_dir_, ec.message());
   }
-  summary.work_dir = work_dir;
-  worker::TrainConfig train = o.train;
-  train.progress_file = work_dir + "/progress.jsonl";
-  train.params_out = work_dir + "/params.bin";
-  if (!o.train.data.empty()) train.data = std::filesystem::absolute(o.train.data).string();
-  // With o.bind, worker i runs on its share of the CPUs (an added worker
-  // shares those of worker i modulo the starting count).
-  const std::vector<int> cpus = o.bind ? AllowedCpus() : std::vector<int>{};
-  const auto cpus_of = [&](int index) {
-    return cpus.empty() ? std::string() : FormatCpuList(ShareOfCpus(cpus, index, static_cast<int>(workers)));
-  };
-  if (script) {
-    print(fmt::format("Running {} once to learn its model's size (describe mode) ...\n", o.script.file));
-    auto described = ScriptModelOf(o, train, cpus_of(0), work_dir, shutdown);
-    if (described.status().code() == StatusCode::kCancelled) {
-      summary.interrupted = true;
-      summary.failure = "interrupted";
-      return summary;
-    }
-    TANDEM_ASSIGN_OR_RETURN(model, std::move(described));
+  summary_.work_dir = work_dir_;
+  train_ = o_.train;
+  train_.progress_file = work_dir_ + "/progress.jsonl";
+  train_.params_out = work_dir_ + "/params.bin";
+  if (!o_.train.data.empty()) train_.data = std::filesystem::absolute(o_.train.data).string();
+  cpus_ = o_.bind ? AllowedCpus() : std::vector<int>{};
+  return Status::Ok();
+}
+
+Status LocalCluster::Launch(const std::string& binary, const std::string& name, int node, bool is_worker,
+                            std::vector<std::string> args, decltype(LaunchSpec::command) command) {
+  LaunchSpec spec;
+  spec.binary = o_.bin_dir + "/" + binary;
+  spec.command = std::move(command);
+  spec.name = name;
+  spec.args = std::move(args);
+  spec.args.insert(spec.args.end(), {"--log-level", o_.log_level});
+  spec.work_dir = work_dir_;
+  spec.startup_timeout = o_.startup_timeout;
+  if (node >= 0) {
+    spec.listen_host = network_->node_address(node);
+    spec.exec_prefix = network_->exec_prefix(node);
+  } else {
+    spec.listen_host = network_->host_address();
   }
-  std::remove(train.progress_file.c_str());
-  std::remove(train.params_out.c_str());
-  auto network = NodeNetwork::Create(static_cast<int>(o.nodes), o.network);
-  if (!network.ok()) return network.status();
-  summary.network = (*network)->namespaces() ? "netns" : "loopback";
+  auto d = tandem::cli::Launch(spec);
+  if (!d.ok()) return d.status();
+  Member m;
+  m.daemon = std::move(*d);
+  m.worker = is_worker;
+  members_.push_back(std::move(m));
+  return Status::Ok();
+}
 
-  const auto t_start = Clock::now();
-  print(fmt::format(
-      "Tandem: {} mode, {} node(s) x {} worker(s), {} server(s), {} steps of {}\n  network: {}\n  logs: {}\n",
-      o.train.mode, o.nodes, o.workers_per_node, servers, o.train.steps, model.description, (*network)->Describe(),
-      work_dir));
+Status LocalCluster::LaunchWorker(int node) {
+  std::vector<std::string> args =
+      WorkerArgs(o_, coordinator_, node, !network_->namespaces(), CpusOf(next_worker_), train_);
+  const std::string name = fmt::format("worker-{}", next_worker_++);
+  if (!script_) return Launch("tandem-worker", name, node, true, std::move(args));
+  // The script takes the flags in its environment.
+  const ClusterOptions& o = o_;
+  return Launch("", name, node, true, std::move(args),
+                [&o](const std::vector<std::string>& flags) { return ScriptCommand(o.script, o.bin_dir, flags); });
+}
 
-  std::vector<Member> members;
-  const auto launch = [&](const std::string& binary, const std::string& name, int node, bool is_worker,
-                          std::vector<std::string> args, decltype(LaunchSpec::command) command = nullptr) -> Status {
-    LaunchSpec spec;
-    spec.binary = o.bin_dir + "/" + binary;
-    spec.command = std::move(command);
-    spec.name = name;
-    spec.args = std::move(args);
-    spec.args.insert(spec.args.end(), {"--log-level", o.log_level});
-    spec.work_dir = work_dir;
-    spec.startup_timeout = o.startup_timeout;
-    if (node >= 0) {
-      spec.listen_host = (*network)->node_address(node);
-      spec.exec_prefix = (*network)->exec_prefix(node);
-    } else {
-      spec.listen_host = (*network)->host_address();
-    }
-    auto d = Launch(spec);
-    if (!d.ok()) return d.status();
-    Member m;
-    m.daemon = std::move(*d);
-    m.worker = is_worker;
-    members.push_back(std::move(m));
-    return Status::Ok();
-  };
-  // The first process that ended with a failure while the cluster stopped
-  // (a script that raised as the others finished: it may still have been
-  // exiting when the run ended), named as a run failure is.
-  std::string ended_badly;
-  const auto stop_all = [&]() {
-    // Workers and servers at once, the coordinator last.
-    for (size_t i = members.size(); i-- > 1;) {
-      if (!members[i].exited) (void)members[i].daemon.process->Signal(SIGTERM);
-    }
-    std::string unclean;
-    for (size_t i = members.size(); i-- > 0;) {
-      auto& m = members[i];
-      if (i == 0) (void)m.daemon.process->Signal(SIGTERM);
-      if (m.exited) continue;
-      auto exit = m.daemon.process->Wait(std::chrono::milliseconds(10000));
-      if (!exit.ok()) {
-        const ExitInfo killed = m.daemon.process->Stop(std::chrono::milliseconds(0));
-        unclean += fmt::format("\n  {} did not stop within 10 s ({}); the end of {}:\n{}", m.daemon.name,
-                               killed.ToString(), m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
-      } else if (!exit->success()) {
-        const std::string ended = EndedMessage(m, exit);
-        if (ended_badly.empty()) ended_badly = ended;
-        unclean += "\n  " + ended;
-      }
-      m.exited = true;
-    }
-    return unclean;
-  };
-
+Status LocalCluster::StartProcesses() {
   // The coordinator: the whole job in its flags.
-  const int64_t max_workers = workers + (o.add_worker_at > 0 ? 1 : 0);
-  Status status = launch("tandem-coordinator", "coordinator", -1, false,
+  const int64_t max_workers = workers_ + (o_.add_worker_at > 0 ? 1 : 0);
+  Status status = Launch("tandem-coordinator", "coordinator", -1, false,
                          {"--data-dir",
-                          work_dir + "/coordinator-data",
+                          work_dir_ + "/coordinator-data",
                           "--job-min-workers",
-                          std::to_string(workers),
+                          std::to_string(workers_),
                           "--job-max-workers",
                           std::to_string(max_workers),
                           "--job-min-servers",
-                          std::to_string(servers),
+                          std::to_string(servers_),
                           "--job-last-call-window",
                           "0s",
                           "--job-parameter-count",
-                          std::to_string(servers > 0 ? model.server_parameters : 0),
+                          std::to_string(servers_ > 0 ? model_.server_parameters : 0),
                           "--job-partition-size",
-                          std::to_string(o.partition_bytes),
+                          std::to_string(o_.partition_bytes),
                           "--job-heartbeat-interval",
                           "500ms",
                           "--job-heartbeat-deadline",
                           "3s",
                           "--job-mesh-pp",
-                          std::to_string(o.pp),
+                          std::to_string(o_.pp),
                           "--job-mesh-tp",
-                          std::to_string(o.tp)});
-  const std::string coordinator = status.ok() ? members[0].daemon.ready.grpc_address : "";
-  for (int64_t i = 0; status.ok() && i < servers && !shutdown.requested(); ++i) {
-    const int node = static_cast<int>(i % o.nodes);
-    std::vector<std::string> args = {"--coordinator-address", coordinator, "--node-id", fmt::format("node-{}", node)};
-    if (!(*network)->namespaces()) args.insert(args.end(), {"--server-ucx-net-devices", kLoopbackDevice});
-    status = launch("tandem-server", fmt::format("server-{}", i), node, false, std::move(args));
+                          std::to_string(o_.tp)});
+  coordinator_ = status.ok() ? members_[0].daemon.ready.grpc_address : "";
+  for (int64_t i = 0; status.ok() && i < servers_ && !shutdown_.requested(); ++i) {
+    const int node = static_cast<int>(i % o_.nodes);
+    std::vector<std::string> args = {"--coordinator-address", coordinator_, "--node-id", fmt::format("node-{}", node)};
+    if (!network_->namespaces()) args.insert(args.end(), {"--server-ucx-net-devices", kLoopbackDevice});
+    status = Launch("tandem-server", fmt::format("server-{}", i), node, false, std::move(args));
   }
-  int next_worker = 0;
-  const auto launch_worker = [&](int node) {
-    std::vector<std::string> args =
-        WorkerArgs(o, coordinator, node, !(*network)->namespaces(), cpus_of(next_worker), train);
-    const std::string name = fmt::format("worker-{}", next_worker++);
-    if (!script) return launch("tandem-worker", name, node, true, std::move(args));
-    // The script takes the flags in its environment.
-    return launch("", name, node, true, std::move(args),
-                  [&o](const std::vector<std::string>& flags) { return ScriptCommand(o.script, o.bin_dir, flags); });
-  };
-  for (int64_t i = 0; status.ok() && i < workers && !shutdown.requested(); ++i) {
-    status = launch_worker(static_cast<int>(i / o.workers_per_node));
+  for (int64_t i = 0; status.ok() && i < workers_ && !shutdown_.requested(); ++i) {
+    status = LaunchWorker(static_cast<int>(i / o_.workers_per_node));
   }
   if (!status.ok()) {
-    const std::string unclean = stop_all();
+    const std::string unclean = StopAll();
     return status.WithContext(unclean.empty() ? "starting the cluster" : "starting the cluster" + unclean);
   }
-  print(fmt::format(
-      "Started {} processes in {:.1f} s{}; training ...\n", members.size(), Seconds(Clock::now() - t_start),
-      cpus.empty() ? std::string() : fmt::format(" (workers bound to their share of CPUs {})", FormatCpuList(cpus))));
+  return Status::Ok();
+}
 
-  // Follow the training.
-  ProgressReader reader(train.progress_file);
-  std::map<uint64_t, Record> records;
-  uint64_t shown = 0;
-  bool killed = false;
-  uint64_t killed_at = 0;
-  bool added = false;
-  const bool tty = isatty(STDOUT_FILENO) != 0;
-  std::string line_open;  // the live line is on screen (tty)
-  const auto event = [&](const std::string& text) {
-    if (!line_open.empty()) print("\n");
-    line_open.clear();
-    print(text + "\n");
-  };
-  const auto steps = static_cast<uint64_t>(o.train.steps);
-  std::optional<Clock::time_point> done_since;  // when the last step was reported
-  bool said_waiting = false;
-  // After the last step rank 0 writes the final parameters and waits for
-  // its last checkpoint (at most max(step_timeout, 10 min)), maybe after a
-  // membership change (epoch_wait).
-  const Clock::duration finish_wait = std::max<Clock::duration>(o.train.step_timeout, std::chrono::minutes(10)) +
-                                      o.train.epoch_wait + std::chrono::minutes(1);
+std::string LocalCluster::StopAll() {
+  // Workers and servers at once, the coordinator last.
+  for (size_t i = members_.size(); i-- > 1;) {
+    if (!members_[i].exited) (void)members_[i].daemon.process->Signal(SIGTERM);
+  }
+  std::string unclean;
+  for (size_t i = members_.size(); i-- > 0;) {
+    auto& m = members_[i];
+    if (i == 0) (void)m.daemon.process->Signal(SIGTERM);
+    if (m.exited) continue;
+    auto exit = m.daemon.process->Wait(std::chrono::milliseconds(10000));
+    if (!exit.ok()) {
+      const ExitInfo killed = m.daemon.process->Stop(std::chrono::milliseconds(0));
+      unclean += fmt::format("\n  {} did not stop within 10 s ({}); the end of {}:\n{}", m.daemon.name,
+                             killed.ToString(), m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
+    } else if (!exit->success()) {
+      const std::string ended = EndedMessage(m, exit);
+      if (ended_badly_.empty()) ended_badly_ = ended;
+      unclean += "\n  " + ended;
+    }
+    m.exited = true;
+  }
+  return unclean;
+}
+
+// --- follow ------------------------------------------------------------------
+
+void LocalCluster::Follow() {
+  reader_.emplace(train_.progress_file);
+  tty_ = isatty(STDOUT_FILENO) != 0;
   while (true) {
-    if (shutdown.requested()) {
-      summary.interrupted = true;
-      summary.failure = "interrupted";
-      event("Interrupted: stopping the cluster ...");
+    if (shutdown_.requested()) {
+      summary_.interrupted = true;
+      summary_.failure = "interrupted";
+      Event("Interrupted: stopping the cluster ...");
       break;
     }
-    if (o.timeout.count() > 0 && Clock::now() - t_start > o.timeout) {
-      summary.failure = fmt::format("the run did not finish within {:.0f} s", Seconds(o.timeout));
-      event(summary.failure);
+    if (o_.timeout.count() > 0 && Clock::now() - t_start_ > o_.timeout) {
+      summary_.failure = fmt::format("the run did not finish within {:.0f} s", Seconds(o_.timeout));
+      Event(summary_.failure);
       break;
     }
-    reader.Poll(&records);
-    const uint64_t last = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
-    if (last > shown && !records.empty()) {
-      shown = last;
-      const Record& r = records.rbegin()->second;
-      const std::string text = fmt::format(
-          "step {:>{}}/{}  loss {:.4f}  tokens/s {:>6}  step {:6.1f} ms  comm {:6.1f} ms (exposed {:5.1f} ms)  "
-          "epoch {}  workers {}",
-          r.step, std::to_string(steps).size(), steps, r.loss,
-          Human(r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0), r.step_seconds * 1e3,
-          r.comm_seconds * 1e3, r.exposed_seconds * 1e3, r.epoch, r.world_size);
-      if (tty) {
-        print("\r" + text + "\033[K");
-        line_open = text;
-      } else if (r.step == 1 || r.step == steps || r.step % std::max<uint64_t>(1, steps / 20) == 0 ||
-                 (records.size() >= 2 && std::prev(records.end(), 2)->second.epoch != r.epoch)) {
-        print(text + "\n");
-      }
-    }
-    // A process that ended on its own is a failure of the run (the first
-    // one found is named: the others may have ended because of it), also
-    // when the survivors finished training meanwhile. A script worker that
-    // exits 0 has only finished its script.
-    for (auto& m : members) {
-      if (m.exited || m.killed) continue;
-      if (!m.daemon.process->Running()) {
-        m.exited = true;
-        const Result<ExitInfo> exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
-        if (script && m.worker && exit.ok() && exit->success()) {
-          // A script that returned after the last step (rank 0 recorded it
-          // before any worker could leave the final barrier); one that
-          // returned before is a failure: the others could wait for it
-          // forever.
-          reader.Poll(&records);
-          const uint64_t now = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
-          if (now >= steps || reader.finished()) continue;
-        }
-        if (summary.failure.empty()) summary.failure = EndedMessage(m, exit);
-      }
-    }
-    if (!summary.failure.empty()) {
-      event("Failed: " + summary.failure);
+    reader_->Poll(&records_);
+    const uint64_t last = LastStep();
+    ShowProgress(last);
+    CheckProcesses();
+    if (!summary_.failure.empty()) {
+      Event("Failed: " + summary_.failure);
       break;
     }
-    if (reader.finished()) {
+    if (reader_->finished()) {
       // Rank 0 wrote the final parameters and the last checkpoint: nothing
       // is left that stopping the cluster would cut short (a process ending
       // now changes no result).
-      summary.completed = last >= steps;
-      if (!summary.completed) summary.failure = fmt::format("training finished after {} of {} steps", last, steps);
-      summary.checkpoint = reader.checkpoint();
+      const auto steps = static_cast<uint64_t>(o_.train.steps);
+      summary_.completed = last >= steps;
+      if (!summary_.completed) summary_.failure = fmt::format("training finished after {} of {} steps", last, steps);
+      summary_.checkpoint = reader_->checkpoint();
       break;
     }
-    if (o.kill_worker_at > 0 && !killed && last >= static_cast<uint64_t>(o.kill_worker_at)) {
-      killed = true;
-      killed_at = last;
-      for (size_t i = members.size(); i-- > 0;) {
-        if (!members[i].worker || members[i].exited) continue;
-        (void)members[i].daemon.process->Signal(SIGKILL);
-        (void)members[i].daemon.process->Wait(std::chrono::milliseconds(5000));
-        members[i].killed = true;
-        members[i].exited = true;
-        ++summary.faults;
-        event(fmt::format("step {}: killed {} (pid {}) with SIGKILL; the survivors go on in a new epoch", last,
-                          members[i].daemon.name, members[i].daemon.ready.pid));
-        break;
-      }
-    }
-    // A worker is added only once the survivors of a kill have trained a
-    // step, so the two membership changes stay apart.
-    if (o.add_worker_at > 0 && !added && last >= static_cast<uint64_t>(o.add_worker_at) &&
-        (o.kill_worker_at == 0 || (killed && last > killed_at))) {
-      added = true;
-      const int node = static_cast<int>(o.nodes - 1);
-      // The job's minimum goes up by one first: training pauses at the next
-      // step boundary until the new worker is in, so that it joins at this
-      // step however long it takes to start.
-      const uint32_t wanted = records.rbegin()->second.world_size + 1;
-      Status s = ScaleJob(coordinator, wanted);
-      if (s.ok()) {
-        event(fmt::format("step {}: raised the job's minimum to {} workers: training pauses until the new worker joins",
-                          last, wanted));
-        s = launch_worker(node);
-      }
-      if (!s.ok()) {
-        summary.failure = "starting the added worker: " + s.message();
-        event("Failed: " + summary.failure);
-        break;
-      }
-      ++summary.workers_added;
-      event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members.back().daemon.name,
-                        node));
-    }
-    if (last >= steps && !done_since) {
-      done_since = Clock::now();
-    } else if (done_since && Clock::now() - *done_since > std::chrono::seconds(30) && !said_waiting) {
-      said_waiting = true;
-      event("All steps are done; waiting for rank 0 to write the final parameters and the last checkpoint ...");
-    }
-    if (done_since && Clock::now() - *done_since > finish_wait) {
-      // Longer than rank 0 waits for its last checkpoint and a new epoch.
-      summary.failure =
-          fmt::format("every step was reported, but rank 0 did not say training finished within {:.0f} s (see its log)",
-                      Seconds(finish_wait));
-      event("Failed: " + summary.failure);
-      break;
-    }
+    MaybeKillWorker(last);
+    if (!MaybeAddWorker(last) || !WaitForTheEnd(last)) break;
     // While a kill or an added worker is due, look often: small models
     // train a step in a few milliseconds, and the event should come at the
     // step asked for, not several steps later.
-    const bool event_due = (o.kill_worker_at > 0 && !killed) || (o.add_worker_at > 0 && !added);
+    const bool event_due = (o_.kill_worker_at > 0 && !killed_) || (o_.add_worker_at > 0 && !added_);
     std::this_thread::sleep_for(std::chrono::milliseconds(event_due ? 2 : 50));
   }
-  if (!line_open.empty()) print("\n");
-  if (o.hold && summary.completed) {
-    print(fmt::format("Training done; holding the cluster up (--hold): coordinator at {}. Press Ctrl-C to stop it.\n",
-                      coordinator));
-    shutdown.Wait();
-  }
+  if (!line_open_.empty()) Print("\n");
+  HoldIfAsked();
+}
 
-  // The servers' own count of updates, before they stop.
-  if (servers > 0) {
-    std::set<uint64_t> applied;
-    std::string detail;
-    for (const auto& m : members) {
-      if (m.daemon.ready.role != "server" || m.exited) continue;
-      auto channel = MakeChannel(m.daemon.ready.grpc_address, TlsConfig{});
-      if (!channel.ok()) continue;
-      auto stub = v1::ParameterServer::NewStub(*channel);
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
-      v1::GetStatsRequest request;
-      request.set_job_id("default");
-      v1::GetStatsResponse response;
-      const grpc::Status s = stub->GetStats(&ctx, request, &response);
-      if (!s.ok()) {
-        detail += fmt::format("{}: {}; ", m.daemon.name, s.error_message());
-        continue;
+uint64_t LocalCluster::LastStep() const {
+  return std::max(records_.empty() ? 0 : records_.rbegin()->first, reader_->finished_steps());
+}
+
+void LocalCluster::ShowProgress(uint64_t last) {
+  if (last <= shown_ || records_.empty()) return;
+  shown_ = last;
+  const auto steps = static_cast<uint64_t>(o_.train.steps);
+  const Record& r = records_.rbegin()->second;
+  const std::string text = fmt::format(
+      "step {:>{}}/{}  loss {:.4f}  tokens/s {:>6}  step {:6.1f} ms  comm {:6.1f} ms (exposed {:5.1f} ms)  "
+      "epoch {}  workers {}",
+      r.step, std::to_string(steps).size(), steps, r.loss,
+      Human(r.step_seconds > 0 ? static_cast<double>(r.tokens) / r.step_seconds : 0), r.step_seconds * 1e3,
+      r.comm_seconds * 1e3, r.exposed_seconds * 1e3, r.epoch, r.world_size);
+  if (tty_) {
+    Print("\r" + text + "\033[K");
+    line_open_ = text;
+  } else if (r.step == 1 || r.step == steps || r.step % std::max<uint64_t>(1, steps / 20) == 0 ||
+             (records_.size() >= 2 && std::prev(records_.end(), 2)->second.epoch != r.epoch)) {
+    Print(text + "\n");
+  }
+}
+
+void LocalCluster::CheckProcesses() {
+  // A process that ended on its own is a failure of the run (the first
+  // one found is named: the others may have ended because of it), also
+  // when the survivors finished training meanwhile. A script worker that
+  // exits 0 has only finished its script.
+  const auto steps = static_cast<uint64_t>(o_.train.steps);
+  for (auto& m : members_) {
+    if (m.exited || m.killed) continue;
+    if (!m.daemon.process->Running()) {
+      m.exited = true;
+      const Result<ExitInfo> exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
+      if (script_ && m.worker && exit.ok() && exit->success()) {
+        // A script that returned after the last step (rank 0 recorded it
+        // before any worker could leave the final barrier); one that
+        // returned before is a failure: the others could wait for it
+        // forever.
+        reader_->Poll(&records_);
+        if (LastStep() >= steps || reader_->finished()) continue;
       }
-      for (const auto& p : response.partitions()) {
-        if (p.role() != v1::REPLICA_ROLE_PRIMARY || p.version() == 0) continue;
-        applied.insert(p.version() - 1);
-        detail += fmt::format("{} partition {}: {} updates; ", m.daemon.name, p.partition_id(), p.version() - 1);
-      }
-    }
-    if (applied.size() == 1) {
-      summary.server_steps_applied = *applied.begin();
-    } else {
-      summary.server_steps_detail = detail.empty() ? "no server answered" : detail;
+      if (summary_.failure.empty()) summary_.failure = EndedMessage(m, exit);
     }
   }
-  for (const auto& m : members) {
+}
+
+void LocalCluster::MaybeKillWorker(uint64_t last) {
+  if (o_.kill_worker_at <= 0 || killed_ || last < static_cast<uint64_t>(o_.kill_worker_at)) return;
+  killed_ = true;
+  killed_at_ = last;
+  for (size_t i = members_.size(); i-- > 0;) {
+    if (!members_[i].worker || members_[i].exited) continue;
+    (void)members_[i].daemon.process->Signal(SIGKILL);
+    (void)members_[i].daemon.process->Wait(std::chrono::milliseconds(5000));
+    members_[i].killed = true;
+    members_[i].exited = true;
+    ++summary_.faults;
+    Event(fmt::format("step {}: killed {} (pid {}) with SIGKILL; the survivors go on in a new epoch", last,
+                      members_[i].daemon.name, members_[i].daemon.ready.pid));
+    break;
+  }
+}
+
+bool LocalCluster::MaybeAddWorker(uint64_t last) {
+  // A worker is added only once the survivors of a kill have trained a
+  // step, so the two membership changes stay apart.
+  if (o_.add_worker_at <= 0 || added_ || last < static_cast<uint64_t>(o_.add_worker_at) ||
+      !(o_.kill_worker_at == 0 || (killed_ && last > killed_at_))) {
+    return true;
+  }
+  added_ = true;
+  const int node = static_cast<int>(o_.nodes - 1);
+  // The job's minimum goes up by one first: training pauses at the next
+  // step boundary until the new worker is in, so that it joins at this
+  // step however long it takes to start.
+  const uint32_t wanted = records_.rbegin()->second.world_size + 1;
+  Status s = ScaleJob(coordinator_, wanted);
+  if (s.ok()) {
+    Event(fmt::format("step {}: raised the job's minimum to {} workers: training pauses until the new worker joins",
+                      last, wanted));
+    s = LaunchWorker(node);
+  }
+  if (!s.ok()) {
+    summary_.failure = "starting the added worker: " + s.message();
+    Event("Failed: " + summary_.failure);
+    return false;
+  }
+  ++summary_.workers_added;
+  Event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members_.back().daemon.name,
+                    node));
+  return true;
+}
+
+bool LocalCluster::WaitForTheEnd(uint64_t last) {
+  // After the last step rank 0 writes the final parameters and waits for
+  // its last checkpoint (at most max(step_timeout, 10 min)), maybe after a
+  // membership change (epoch_wait).
+  const Clock::duration finish_wait = std::max<Clock::duration>(o_.train.step_timeout, std::chrono::minutes(10)) +
+                                      o_.train.epoch_wait + std::chrono::minutes(1);
+  if (last >= static_cast<uint64_t>(o_.train.steps) && !done_since_) {
+    done_since_ = Clock::now();
+  } else if (done_since_ && Clock::now() - *done_since_ > std::chrono::seconds(30) && !said_waiting_) {
+    said_waiting_ = true;
+    Event("All steps are done; waiting for rank 0 to write the final parameters and the last checkpoint ...");
+  }
+  if (done_since_ && Clock::now() - *done_since_ > finish_wait) {
+    // Longer than rank 0 waits for its last checkpoint and a new epoch.
+    summary_.failure =
+        fmt::format("every step was reported, but rank 0 did not say training finished within {:.0f} s (see its log)",
+                    Seconds(finish_wait));
+    Event("Failed: " + summary_.failure);
+    return false;
+  }
+  return true;
+}
+
+void LocalCluster::HoldIfAsked() {
+  if (!o_.hold || !summary_.completed) return;
+  Print(fmt::format("Training done; holding the cluster up (--hold): coordinator at {}. Press Ctrl-C to stop it.\n",
+                    coordinator_));
+  shutdown_.Wait();
+}
+
+// --- summarise ---------------------------------------------------------------
+
+RunSummary LocalCluster::Summarise() {
+  if (servers_ > 0) AskServers();
+  ReadPeakMemory();
+  Stop();
+  SumUpSteps();
+  return std::move(summary_);
+}
+
+void LocalCluster::AskServers() {
+  // The servers' own count of updates, before they stop.
+  std::set<uint64_t> applied;
+  std::string detail;
+  for (const auto& m : members_) {
+    if (m.daemon.ready.role != "server" || m.exited) continue;
+    auto channel = MakeChannel(m.daemon.ready.grpc_address, TlsConfig{});
+    if (!channel.ok()) continue;
+    auto stub = v1::ParameterServer::NewStub(*channel);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    v1::GetStatsRequest request;
+    request.set_job_id("default");
+    v1::GetStatsResponse response;
+    const grpc::Status s = stub->GetStats(&ctx, request, &response);
+    if (!s.ok()) {
+      detail += fmt::format("{}: {}; ", m.daemon.name, s.error_message());
+      continue;
+    }
+    for (const auto& p : response.partitions()) {
+      if (p.role() != v1::REPLICA_ROLE_PRIMARY || p.version() == 0) continue;
+      applied.insert(p.version() - 1);
+      detail += fmt::format("{} partition {}: {} updates; ", m.daemon.name, p.partition_id(), p.version() - 1);
+    }
+  }
+  if (applied.size() == 1) {
+    summary_.server_steps_applied = *applied.begin();
+  } else {
+    summary_.server_steps_detail = detail.empty() ? "no server answered" : detail;
+  }
+}
+
+void LocalCluster::ReadPeakMemory() {
+  for (const auto& m : members_) {
     if (!m.worker || m.exited || m.killed) continue;
     if (auto peak = ReadPeakResidentBytes(m.daemon.process->pid())) {
-      summary.worker_peak_rss_bytes[m.daemon.name] = *peak;
-      summary.peak_rss_bytes = std::max(summary.peak_rss_bytes, *peak);
+      summary_.worker_peak_rss_bytes[m.daemon.name] = *peak;
+      summary_.peak_rss_bytes = std::max(summary_.peak_rss_bytes, *peak);
     }
   }
-  print(fmt::format("Stopping {} processes ...\n", members.size()));
-  const std::string unclean = stop_all();
-  if (!unclean.empty()) {
-    if (summary.failure.empty()) summary.failure = ended_badly.empty() ? "a process did not stop cleanly" : ended_badly;
-    summary.completed = false;
-    print("Some processes did not stop cleanly:" + unclean + "\n");
-  }
-  network->reset();
+}
 
-  // The summary.
-  summary.elapsed_seconds = Seconds(Clock::now() - t_start);
-  summary.steps = std::max(records.empty() ? 0 : records.rbegin()->first, reader.finished_steps());
+void LocalCluster::Stop() {
+  Print(fmt::format("Stopping {} processes ...\n", members_.size()));
+  const std::string unclean = StopAll();
+  if (!unclean.empty()) {
+    if (summary_.failure.empty()) {
+      summary_.failure = ended_badly_.empty() ? "a process did not stop cleanly" : ended_badly_;
+    }
+    summary_.completed = false;
+    Print("Some processes did not stop cleanly:" + unclean + "\n");
+  }
+  network_.reset();
+}
+
+void LocalCluster::SumUpSteps() {
+  RunSummary& summary = summary_;
+  const auto& records = records_;
+  const auto steps = static_cast<uint64_t>(o_.train.steps);
+  summary.elapsed_seconds = Seconds(Clock::now() - t_start_);
+  summary.steps = LastStep();
   std::set<uint64_t> epochs;
   std::vector<double> step_s, compute_s;
   double tokens = 0, span_steps = 0, exposed = 0;
@@ -711,21 +864,30 @@ Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shu
   summary.step_seconds_median = Median(step_s);
   summary.compute_seconds_median = Median(compute_s);
   summary.exposed_fraction = span_steps > 0 ? exposed / span_steps : 0;
-  if (o.pp > 1) {
-    summary.pipeline_stages = static_cast<uint32_t>(o.pp);
-    summary.pipeline_schedule = o.train.pipeline_schedule;
+  if (o_.pp > 1) {
+    summary.pipeline_stages = static_cast<uint32_t>(o_.pp);
+    summary.pipeline_schedule = o_.train.pipeline_schedule;
     for (double v : idle_sum) summary.pipeline_idle.push_back(idle_steps > 0 ? v / idle_steps : 0);
     // Micro-batches per pipeline: the accumulation, or fewer when a shard is smaller.
-    const int64_t dp = workers / (o.pp * o.tp);
-    const int64_t shard = std::max<int64_t>(1, o.train.global_batch / dp);
+    const int64_t dp = workers_ / (o_.pp * o_.tp);
+    const int64_t shard = std::max<int64_t>(1, o_.train.global_batch / dp);
     summary.analytic_bubble =
-        worker::AnalyticBubble(static_cast<int>(o.pp), static_cast<int>(std::min(o.train.accumulation, shard)));
+        worker::AnalyticBubble(static_cast<int>(o_.pp), static_cast<int>(std::min(o_.train.accumulation, shard)));
   }
   if (summary.completed && summary.steps < steps) {
     summary.completed = false;
     summary.failure = fmt::format("only {} of {} steps were reported", summary.steps, steps);
   }
-  return summary;
+}
+
+}  // namespace
+
+Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
+  LocalCluster cluster(o, shutdown);
+  TANDEM_ASSIGN_OR_RETURN(const bool started, cluster.Start());
+  if (!started) return cluster.summary();  // Ctrl-C before anything started
+  cluster.Follow();
+  return cluster.Summarise();
 }
 
 std::string SummaryJson(const RunSummary& s) {

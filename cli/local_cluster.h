@@ -9,6 +9,8 @@
 // asked for (SIGKILL a worker at a step, start one more at a step), and stops
 // everything with SIGTERM once the last step is done, on Ctrl-C, or when a
 // process fails. It then asks every server how many updates it applied.
+// (cli/local_cluster.cc: a LocalCluster runs these as its Start, Follow and
+// Summarise steps.)
 //
 // Thread safety: one run at a time per process.
 #pragma once
