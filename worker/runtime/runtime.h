@@ -93,13 +93,11 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
@@ -107,8 +105,7 @@
 #include <thread>
 #include <vector>
 
-#include "common/optimizer/gradient.h"
-#include "common/optimizer/optimizer.h"
+#include "common/mutex.h"
 #include "common/page_buffer.h"
 #include "common/status.h"
 #include "common/thread_annotations.h"
@@ -395,18 +392,34 @@ class Runtime {
   // (a membership change) leaves the values alone; training is unaffected.
   Status AllReduceBetweenSteps(float* values, size_t count);
   // Fails whatever waits and makes BeginStep return CANCELLED.
-  void Stop();
+  void Stop() TANDEM_EXCLUDES(mu_);
 
  private:
+  // Where the runtime's parts live (worker/runtime/):
+  //   runtime.cc          the step's sequence (BeginStep, GradientsReady,
+  //                       EndStep), binding a stage, checkpoints, and the
+  //                       communication thread
+  //   step.{h,cc}         the per-mode step: StepStrategy, one implementation
+  //                       per mode, chosen at construction
+  //   buckets.{h,cc}      planning the buckets, sending them, landing them
+  //   resync.cc           joining an epoch: agreeing on the step, reloading
+  //                       the parameters (and optimizer state)
+  //   gather.cc           Acquire and Release: the landing parameters, and
+  //                       the sharded placement's gathers
+  //   local_optimizer.*   the optimizer applied in the worker itself
   struct Bucket;
-  struct StepState;
+  struct GatherPlan;
+  class StepStrategy;
+  class AllReduceStep;
+  class ServerStep;
+  class HybridStep;
+  class PsStep;
 
   Status Resync(const DataPlane::EpochView& view);
   Status BindStage(const DataPlane::EpochView& view);
   // options_.optimizer, with the group of kTensorParallelCopyGroup when tp > 1.
   v1::OptimizerConfig OptimizerFor(int tp) const;
   Status CheckBuffers(std::span<float> params, std::span<float> grads, const std::vector<v1::TensorSpec>& tensors);
-  Status ResyncFromServers(const DataPlane::EpochView& view);
   // Pulls the stage's partitions of `map` that `only` marks (null: all) once
   // `step` is applied (0: as they are) into the parameters (the shard when
   // sharded); returns each partition's step (INT64_MAX: not the stage's).
@@ -422,35 +435,27 @@ class Runtime {
     return options_.consistency.mode() == v1::CONSISTENCY_MODE_ASYNC ||
            options_.consistency.mode() == v1::CONSISTENCY_MODE_BOUNDED_STALENESS;
   }
-  Status ResyncAllReduce();
-  // Allreduce mode with an external optimizer: `root` of the dp group sends its state.
-  Status BroadcastExternalState(int root);
-  Status PlanBuckets(const DataPlane::EpochView& view);
-  Status RunBucket(Bucket& bucket);
-  void PostPulls();
-  // EndStep's tasks: the pushes, each bucket's landing, the loss; returns
-  // the ticket after which the step is complete.
-  uint64_t EnqueueFinish();
-  Status FinishPushes();
-  Status LandBucket(Bucket& bucket, uint64_t step);
+  // Sums the step's figures over the world (the asynchronous modes: this
+  // worker's own, scaled).
   Status ReduceLoss();
   // Waits until the communication thread is idle; returns (and clears) the
   // status of what failed since the last clear.
-  Status Settle();
+  Status Settle() TANDEM_EXCLUDES(mu_);
   Status AwaitLanding(std::pair<size_t, size_t> range);
   Status AcquireSharded(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next);
-  Result<bool> PushStepAgainIfWhole(uint64_t step, size_t lagging, const std::string& which);
-  struct GatherPlan;
   GatherPlan& PlanGather(std::pair<size_t, size_t> range);
   Status Gather(GatherPlan& plan);
+  void NoteParameterBytes();
   // Queues a task for the communication thread; returns its ticket.
-  uint64_t Enqueue(std::function<Status()> task);
+  uint64_t Enqueue(std::function<Status()> task) TANDEM_EXCLUDES(mu_);
   // Waits for the task of `ticket` (and those before it); the step's status.
-  Status WaitFor(uint64_t ticket);
-  void CommLoop();
+  Status WaitFor(uint64_t ticket) TANDEM_EXCLUDES(mu_);
+  void CommLoop() TANDEM_EXCLUDES(mu_);
 
   RuntimeOptions options_;
   DataPlane& plane_;
+  // The mode's step (step.h), chosen by the constructor from options_.mode.
+  std::unique_ptr<StepStrategy> strategy_;
   ModelBinding model_;
   bool attached_ = false;
   // The bound stage: its buffers (the whole model's [base_, base_ + size)),
@@ -464,10 +469,9 @@ class Runtime {
   std::span<float> params_;
   std::span<float> grads_;
   std::vector<v1::TensorSpec> tensors_;
-  std::unique_ptr<LocalOptimizer> local_;  // allreduce mode
-  bool servers_initialized_ = false;       // for the bound stage's range
-  // Allreduce mode: params_ (and local_) hold the stage's state after
-  // completed_ steps; false after binding a new stage.
+  bool servers_initialized_ = false;  // for the bound stage's range
+  // Allreduce mode: params_ (and the local optimizer) hold the stage's
+  // state after completed_ steps; false after binding a new stage.
   bool stage_valid_ = false;
 
   // The synced epoch and what was derived from it.
@@ -476,24 +480,13 @@ class Runtime {
   uint64_t paused_epoch_ = 0;  // the last paused epoch announced in the log
   Status last_failure_;
   uint64_t completed_ = 0;
-  // Asynchronous modes: the highest step of which this worker sent a push
-  // (written by the communication thread).
-  std::atomic<uint64_t> sent_step_{0};
   std::shared_ptr<const DataPlane::EpochView> view_;
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> node_;      // the node's workers of this part ("node", or "node-dp")
   std::shared_ptr<comm::Communicator> dp_;        // the part's data-parallel group ("world", or "dp/<part>")
   std::shared_ptr<comm::Communicator> pipeline_;  // "pp/<dp·tp + tp rank>" when stages_ > 1
   std::shared_ptr<comm::Communicator> tensor_;    // "tp/<stage·dp + dp rank>" when tp_size_ > 1
-  // Server modes: contributions per part (nodes in hybrid mode, workers in
-  // ps mode), and this worker's index among its part's.
-  std::vector<uint32_t> stage_contributors_;
-  uint32_t contributor_ = 0;
   std::vector<std::unique_ptr<Bucket>> buckets_;  // from the end of the buffer to its start
-  // The reduce-scatter input and all-gather output of every bucket (one at a
-  // time on the communication thread), L blocks of the largest bucket.
-  std::vector<float> staging_;
-  std::vector<float> block_scratch_;  // one block, for a rank whose share of a bucket is less than the block
   // Sharded placement.
   bool sharded_ = false;
   PageBuffer* param_pages_ = nullptr;
@@ -503,16 +496,18 @@ class Runtime {
     size_t k = 0;              // index in the bucket
   };
   std::vector<PartitionPlace> places_;  // by index in the shard map
-  std::map<std::pair<size_t, size_t>, std::unique_ptr<GatherPlan>> gathers_;
-  std::vector<float> gather_send_, gather_staging_;
-  std::pair<size_t, size_t> prefetched_{0, 0};       // the range being gathered ahead
-  std::pair<size_t, size_t> prefetched_span_{0, 0};  // the elements that gather writes
-  uint64_t prefetch_ticket_ = 0;
+  // The sharded placement's gathers (gather.cc).
+  struct Gathers {
+    std::map<std::pair<size_t, size_t>, std::unique_ptr<GatherPlan>> plans;
+    std::vector<float> send, staging;
+    std::pair<size_t, size_t> prefetched{0, 0};       // the range being gathered ahead
+    std::pair<size_t, size_t> prefetched_span{0, 0};  // the elements that gather writes
+    uint64_t prefetch_ticket = 0;
+  };
+  Gathers gathers_;
   uint64_t parameter_bytes_ = 0;  // the step's peak (StepResult::parameter_bytes)
   double parameter_wait_ = 0;     // the step's time in Acquire (StepResult::parameter_wait_seconds)
-  void NoteParameterBytes();
   size_t next_bucket_ = 0;
-  bool pulls_posted_ = false;  // this step's (RunBucket posts them with the first bucket)
   bool in_step_ = false;
   uint64_t step_ = 0;
   // The step whose whole gradient the attached buffer holds: what a resync
@@ -538,8 +533,8 @@ class Runtime {
 
   // The communication thread and its queue; a failed task fails the rest of
   // the step's tasks with the same status.
-  std::mutex mu_;
-  std::condition_variable cv_;
+  Mutex mu_;
+  CondVar cv_;
   std::deque<std::function<Status()>> queue_ TANDEM_GUARDED_BY(mu_);
   size_t running_ TANDEM_GUARDED_BY(mu_) = 0;
   uint64_t enqueued_ TANDEM_GUARDED_BY(mu_) = 0;  // tickets handed out
