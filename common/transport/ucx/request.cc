@@ -284,10 +284,9 @@ void Core::Finish(Op& op, Status status) {
   // thread dropping its Request returns (in_callback).
   const std::shared_ptr<Op> keep = op.shared_from_this();
   if (t_deferring_core == this) {
-    role_mu_.AssertHeld();  // set only while this thread starts operations
-                            // inside a completion
-    // Started inside a completion: its own completion runs after that one
-    // returns, at the start of the next round.
+    // Started inside a completion (by the role's holder): its own completion
+    // runs after that one returns, at the start of the next round.
+    role_mu_.AssertHeld();
     deferred_.emplace_back(keep, std::move(status));
     return;
   }
