@@ -217,7 +217,9 @@ TEST_F(PsCoreTest, BoundedStalenessPullsDeclareThePullersStep) {
   job.consistency.set_mode(v1::CONSISTENCY_MODE_BOUNDED_STALENESS);
   job.consistency.set_staleness_bound(1);
   Start(1, job);  // start_step 0
-  auto [b, e] = Range(0);
+  // Not a structured binding: clang 14 cannot capture one in a lambda.
+  const auto range = Range(0);
+  const auto b = range.first, e = range.second;
   auto push = [&](uint64_t step, uint32_t contributor) {
     return Push(PrimaryOf(0), 1, step, 0, contributor, 2, Grad(step, contributor, b, e));
   };
