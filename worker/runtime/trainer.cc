@@ -763,6 +763,126 @@ std::string ToJson(const StepRecord& r) {
       WallSeconds());
 }
 
+// A completed step's record.
+StepRecord RecordOf(const StepResult& result, const StepPlan& plan, double step_seconds, double compute_seconds,
+                    uint64_t retries, std::vector<double> pipeline_idle) {
+  StepRecord record;
+  record.step = result.step;
+  record.epoch = result.epoch;
+  record.loss = result.loss;
+  record.tokens = result.tokens;
+  record.samples = result.samples;
+  record.step_seconds = step_seconds;
+  record.compute_seconds = compute_seconds;
+  record.comm_seconds = result.comm_seconds;
+  record.exposed_seconds = result.exposed_seconds;
+  record.world_size = plan.world_size;
+  record.rank = plan.rank;
+  record.retries = retries;
+  record.resynced = plan.resynced;
+  record.pipeline_idle = std::move(pipeline_idle);
+  record.parameter_bytes = result.parameter_bytes;
+  return record;
+}
+
+// The trainer's progress file and sample log (either may be unused), closed
+// with the trainer.
+struct TrainFiles {
+  TrainFiles() = default;
+  TrainFiles(const TrainFiles&) = delete;
+  TrainFiles& operator=(const TrainFiles&) = delete;
+  ~TrainFiles() { Close(); }
+
+  Status Open(const TrainConfig& config) {
+    if (!config.progress_file.empty()) {
+      progress = std::fopen(config.progress_file.c_str(), "a");
+      if (progress == nullptr) {
+        return Unavailable("train.progress_file: cannot open '{}': {}", config.progress_file, std::strerror(errno));
+      }
+    }
+    if (!config.sample_log.empty()) {
+      sample_log = std::fopen(config.sample_log.c_str(), "a");
+      if (sample_log == nullptr) {
+        return Unavailable("train.sample_log: cannot open '{}': {}", config.sample_log, std::strerror(errno));
+      }
+    }
+    return Status::Ok();
+  }
+  void Close() {
+    if (progress != nullptr) std::fclose(progress);
+    if (sample_log != nullptr) std::fclose(sample_log);
+    progress = nullptr;
+    sample_log = nullptr;
+  }
+
+  std::FILE* progress = nullptr;
+  std::FILE* sample_log = nullptr;
+};
+
+// The run's checkpoints (global rank 0, server modes), taken through the
+// runtime: periodic ones in the background, the last one waited for.
+class RunCheckpoints {
+ public:
+  RunCheckpoints(Runtime& runtime, const TrainConfig& config, std::function<bool()> stopping)
+      : runtime_(runtime), config_(config), stopping_(std::move(stopping)) {}
+
+  // Takes the checkpoint of `step`; `last` waits until it is written.
+  void Save(uint64_t step, bool last);
+  // The last step saved, and the final checkpoint's directory once written.
+  uint64_t saved_step() const { return saved_step_; }
+  const std::string& last() const { return last_; }
+
+ private:
+  Runtime& runtime_;
+  const TrainConfig& config_;
+  const std::function<bool()> stopping_;
+  uint64_t saved_step_ = 0;
+  std::string last_;
+};
+
+void RunCheckpoints::Save(uint64_t step, bool last) {
+  // A server still writing the previous checkpoint refuses a new one
+  // while the others write theirs: an incomplete checkpoint. A periodic
+  // save skips its step then; the last one waits.
+  const auto give_up = Clock::now() + std::max<Clock::duration>(config_.step_timeout, std::chrono::minutes(10));
+  for (;;) {
+    auto writing = runtime_.CheckpointWriting();
+    if (!writing.ok()) {
+      spdlog::warn("step {}: no checkpoint: {}", step, writing.status().ToString());
+      return;
+    }
+    if (!*writing) break;
+    if (!last || Clock::now() >= give_up || stopping_()) {
+      spdlog::warn("step {}: no checkpoint: a server is still writing the previous one", step);
+      return;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  auto saved = runtime_.SaveCheckpoint(config_.checkpoint_dir, step);
+  if (!saved.ok() || saved->empty()) {
+    // A membership change under way: this checkpoint only is lost (the
+    // servers that wrote theirs leave an incomplete directory, which
+    // `tandem checkpoint verify` and a restore report as such).
+    spdlog::warn("step {}: the checkpoint was not taken: {}", step,
+                 saved.ok() ? "no parameter servers" : saved.status().ToString());
+    return;
+  }
+  const std::string where = fmt::format("{}/{}", config_.checkpoint_dir, saved->front().checkpoint_id());
+  if (!last) {
+    spdlog::info("step {}: checkpoint {} is being written by {} server(s)", step, where, saved->size());
+    saved_step_ = step;
+    return;
+  }
+  const Status written = runtime_.WaitForCheckpoint(saved->front().checkpoint_id(), give_up);
+  if (written.ok()) {
+    spdlog::info("step {}: checkpoint {} written by {} server(s)", step, where, saved->size());
+    saved_step_ = step;
+    last_ = where;
+  } else {
+    spdlog::error("step {}: checkpoint {} was not written: {}", step, where, written.ToString());
+  }
+}
+
 Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
   auto setup = Prepare(config, /*create_model=*/false);
   if (!setup.ok()) return setup.status();
@@ -779,27 +899,11 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       runtime.AttachModel(BindingOf(*setup, *whole, &runtime, options->placement == Placement::kSharded)));
   std::unique_ptr<TrainMetrics> metrics;
   if (hooks.registry != nullptr) metrics = std::make_unique<TrainMetrics>(*hooks.registry);
-  std::FILE* progress = nullptr;
-  if (!config.progress_file.empty()) {
-    progress = std::fopen(config.progress_file.c_str(), "a");
-    if (progress == nullptr) {
-      return Unavailable("train.progress_file: cannot open '{}': {}", config.progress_file, std::strerror(errno));
-    }
-  }
-  std::FILE* sample_log = nullptr;
-  if (!config.sample_log.empty()) {
-    sample_log = std::fopen(config.sample_log.c_str(), "a");
-    if (sample_log == nullptr) {
-      if (progress != nullptr) std::fclose(progress);
-      return Unavailable("train.sample_log: cannot open '{}': {}", config.sample_log, std::strerror(errno));
-    }
-  }
-  const auto close_progress = [&] {
-    if (progress != nullptr) std::fclose(progress);
-    if (sample_log != nullptr) std::fclose(sample_log);
-    progress = nullptr;
-    sample_log = nullptr;
-  };
+  TrainFiles files;
+  TANDEM_RETURN_IF_ERROR(files.Open(config));
+  std::FILE*& progress = files.progress;
+  std::FILE*& sample_log = files.sample_log;
+  const auto close_progress = [&] { files.Close(); };
   size_t parameters = 0;
   for (const auto& t : model::TensorLayout(*whole)) parameters += t.size;
   spdlog::info("training: {} steps of a {}-parameter model on {} ({} samples of {} bytes), global batch {}, {} mode{}",
@@ -821,50 +925,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   // background, and after the last step, which the run waits for.
   const uint64_t every = static_cast<uint64_t>(config.checkpoint_every);
   const uint64_t last_step = static_cast<uint64_t>(config.steps);
-  uint64_t saved_step = 0;
-  std::string last_checkpoint;  // the final checkpoint's directory, once written
-  const auto save_checkpoint = [&](uint64_t step, bool last) {
-    // A server still writing the previous checkpoint refuses a new one
-    // while the others write theirs: an incomplete checkpoint. A periodic
-    // save skips its step then; the last one waits.
-    const auto give_up = Clock::now() + std::max<Clock::duration>(config.step_timeout, std::chrono::minutes(10));
-    for (;;) {
-      auto writing = runtime.CheckpointWriting();
-      if (!writing.ok()) {
-        spdlog::warn("step {}: no checkpoint: {}", step, writing.status().ToString());
-        return;
-      }
-      if (!*writing) break;
-      if (!last || Clock::now() >= give_up || stopping()) {
-        spdlog::warn("step {}: no checkpoint: a server is still writing the previous one", step);
-        return;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    }
-    auto saved = runtime.SaveCheckpoint(config.checkpoint_dir, step);
-    if (!saved.ok() || saved->empty()) {
-      // A membership change under way: this checkpoint only is lost (the
-      // servers that wrote theirs leave an incomplete directory, which
-      // `tandem checkpoint verify` and a restore report as such).
-      spdlog::warn("step {}: the checkpoint was not taken: {}", step,
-                   saved.ok() ? "no parameter servers" : saved.status().ToString());
-      return;
-    }
-    const std::string where = fmt::format("{}/{}", config.checkpoint_dir, saved->front().checkpoint_id());
-    if (!last) {
-      spdlog::info("step {}: checkpoint {} is being written by {} server(s)", step, where, saved->size());
-      saved_step = step;
-      return;
-    }
-    const Status written = runtime.WaitForCheckpoint(saved->front().checkpoint_id(), give_up);
-    if (written.ok()) {
-      spdlog::info("step {}: checkpoint {} written by {} server(s)", step, where, saved->size());
-      saved_step = step;
-      last_checkpoint = where;
-    } else {
-      spdlog::error("step {}: checkpoint {} was not written: {}", step, where, written.ToString());
-    }
-  };
+  RunCheckpoints checkpoints(runtime, config, stopping);
   uint64_t retries = 0;
   uint64_t completed_step = 0;  // by this worker's knowledge
   uint64_t attempted_step = 0;
@@ -982,29 +1043,15 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
                    result.status().ToString());
       continue;
     }
-    StepRecord record;
-    record.step = result->step;
-    record.epoch = result->epoch;
-    record.loss = result->loss;
-    record.tokens = result->tokens;
-    record.samples = result->samples;
-    record.step_seconds = Seconds(Clock::now() - t0);
-    record.compute_seconds = Seconds(t1 - t0) - result->parameter_wait_seconds;
-    record.comm_seconds = result->comm_seconds;
-    record.exposed_seconds = result->exposed_seconds;
-    record.world_size = plan->world_size;
-    record.rank = plan->rank;
-    record.retries = retries;
-    record.resynced = plan->resynced;
-    record.pipeline_idle = std::move(idle);
-    record.parameter_bytes = result->parameter_bytes;
+    StepRecord record = RecordOf(*result, *plan, Seconds(Clock::now() - t0),
+                                 Seconds(t1 - t0) - result->parameter_wait_seconds, retries, std::move(idle));
     retries = 0;
     completed_step = record.step;
     if (metrics) metrics->Record(record);
     report(record);
     if (every > 0 && plan->rank == 0 && record.step % every == 0 && record.step < last_step) {
       // Before the next step begins, so no server can be past this one.
-      save_checkpoint(record.step, /*last=*/false);
+      checkpoints.Save(record.step, /*last=*/false);
     }
   }
   close_progress();
@@ -1015,8 +1062,8 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
   // The last checkpoint, after the final parameters are out (the other
   // ranks take part in writing them), also when this worker lost the last
   // step's result while the servers applied it.
-  if (every > 0 && last_plan.rank == 0 && saved_step < runtime.completed_steps()) {
-    save_checkpoint(runtime.completed_steps(), /*last=*/true);
+  if (every > 0 && last_plan.rank == 0 && checkpoints.saved_step() < runtime.completed_steps()) {
+    checkpoints.Save(runtime.completed_steps(), /*last=*/true);
   }
   // The progress file's last line: training and its last checkpoint are
   // done, so whoever waits on the file (tandem run) may stop the cluster.
@@ -1025,7 +1072,7 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
       std::fprintf(
           f, "%s\n",
           fmt::format("{{\"finished\":true,\"steps\":{},\"checkpoint\":{},\"time\":{:.6f}}}", runtime.completed_steps(),
-                      last_checkpoint.empty() ? "null" : JsonQuote(last_checkpoint), WallSeconds())
+                      checkpoints.last().empty() ? "null" : JsonQuote(checkpoints.last()), WallSeconds())
               .c_str());
       std::fclose(f);
     } else {
