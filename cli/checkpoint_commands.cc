@@ -782,6 +782,201 @@ int CheckpointVerifyCommand(int argc, char** argv) {
 
 // ---- tandem ps stats ------------------------------------------------------------------------------
 
+namespace {
+
+// One server's answer to GetStats.
+struct StatsOutcome {
+  Status status;
+  v1::GetStatsResponse stats;
+};
+
+// --verify-replicas: each partition's copies compared. Copies at different
+// versions are an update on its way to the backup (or a backup still being
+// built), not a fault; at the same version they must agree.
+struct ReplicaCheck {
+  std::vector<uint32_t> differ, behind, single, uninitialized;
+  size_t agree = 0;
+};
+
+ReplicaCheck CompareReplicas(const std::vector<StatsOutcome>& out) {
+  ReplicaCheck r;
+  struct Copy {
+    uint64_t version;
+    uint32_t crc;
+  };
+  std::map<uint32_t, std::vector<Copy>> copies;
+  for (const auto& o : out) {
+    if (!o.status.ok()) continue;
+    for (const auto& p : o.stats.partitions()) copies[p.partition_id()].push_back({p.version(), p.state_crc32c()});
+  }
+  for (const auto& entry : copies) {
+    const auto& id = entry.first;
+    const auto& c = entry.second;  // not a structured binding: clang 14 cannot capture one in a lambda
+    if (c.size() < 2) {
+      r.single.push_back(id);
+      continue;
+    }
+    const bool same_version = std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.version == c[0].version; });
+    const bool some_empty = std::any_of(c.begin(), c.end(), [](const Copy& x) { return x.version == 0; });
+    if (!same_version && some_empty) {
+      r.uninitialized.push_back(id);
+      continue;
+    }
+    const bool same_crc = std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.crc == c[0].crc; });
+    if (!same_version) {
+      r.behind.push_back(id);
+    } else if (!same_crc) {
+      r.differ.push_back(id);
+    } else {
+      ++r.agree;
+    }
+  }
+  return r;
+}
+
+std::vector<std::string> IdList(const std::vector<uint32_t>& ids) {
+  std::vector<std::string> s;
+  for (uint32_t id : ids) s.push_back(std::to_string(id));
+  return s;
+}
+
+uint64_t LagOf(const v1::GetStatsResponse& s) {
+  uint64_t lag = 0;
+  for (const auto& p : s.partitions()) lag = std::max(lag, p.replication_lag());
+  return lag;
+}
+
+std::pair<uint32_t, uint32_t> RolesOf(const v1::GetStatsResponse& s) {
+  std::pair<uint32_t, uint32_t> n{0, 0};
+  for (const auto& p : s.partitions()) ++(p.role() == v1::REPLICA_ROLE_PRIMARY ? n.first : n.second);
+  return n;
+}
+
+// `tandem ps stats --json`.
+void PrintPsStatsJson(const Cluster& cluster, const std::vector<StatsOutcome>& out, bool partitions, bool verify,
+                      const ReplicaCheck& check, size_t failed) {
+  const auto& [differ, behind, single, uninitialized, agree] = check;
+  std::vector<std::string> rows;
+  for (size_t i = 0; i < out.size(); ++i) {
+    JsonObject row;
+    row.Num("member", cluster.servers[i].member_id).Str("address", cluster.servers[i].address);
+    if (!out[i].status.ok()) {
+      rows.push_back(row.Flag("ok", false).Str("error", out[i].status.ToString()).str());
+      continue;
+    }
+    const auto& s = out[i].stats;
+    const auto [primary, backup] = RolesOf(s);
+    row.Flag("ok", true)
+        .Num("member_id", s.member_id())
+        .Num("epoch", s.epoch())
+        .Str("optimizer", s.optimizer())
+        .Str("consistency", ConsistencyName(s.consistency()))
+        .Num("step", s.step())
+        .Num("primary_partitions", primary)
+        .Num("backup_partitions", backup)
+        .Num("state_bytes", s.state_bytes())
+        .Num("skipped_steps", s.skipped_steps())
+        .Num("replication_lag", LagOf(s))
+        .Raw("last_checkpoint", s.has_last_checkpoint() ? CheckpointInfoJson(s.last_checkpoint()) : "null");
+    if (partitions) {
+      std::vector<std::string> parts;
+      for (const auto& p : s.partitions()) {
+        parts.push_back(JsonObject()
+                            .Num("partition_id", p.partition_id())
+                            .Num("begin", p.range().begin())
+                            .Num("end", p.range().end())
+                            .Str("role", p.role() == v1::REPLICA_ROLE_PRIMARY ? "primary" : "backup")
+                            .Num("version", p.version())
+                            .Num("step", p.step())
+                            .Num("pushes", p.pushes())
+                            .Num("pulls", p.pulls())
+                            .Num("bytes_pushed", p.bytes_pushed())
+                            .Num("bytes_pulled", p.bytes_pulled())
+                            .Num("replication_lag", p.replication_lag())
+                            .Raw("state_crc32c", p.has_state_crc32c() ? std::to_string(p.state_crc32c()) : "null")
+                            .str());
+      }
+      row.Raw("partitions", JsonArray(parts));
+    }
+    rows.push_back(row.str());
+  }
+  std::vector<std::string> notes;
+  for (const auto& n : cluster.notes) notes.push_back(JsonQuote(n));
+  JsonObject top;
+  top.Str("job", cluster.job_id)
+      .Num("epoch", cluster.epoch)
+      .Num("shard_map_version", cluster.shard_map.version())
+      .Num("partitions", static_cast<uint64_t>(cluster.shard_map.partitions_size()))
+      .Flag("ok", failed == 0 && differ.empty())
+      .Raw("notes", JsonArray(notes))
+      .Raw("servers", JsonArray(rows));
+  if (verify) {
+    top.Raw("replicas", JsonObject()
+                            .Num("agree", static_cast<uint64_t>(agree))
+                            .Raw("differ", JsonArray(IdList(differ)))
+                            .Raw("behind", JsonArray(IdList(behind)))
+                            .Raw("without_backup", JsonArray(IdList(single)))
+                            .Raw("uninitialized", JsonArray(IdList(uninitialized)))
+                            .str());
+  }
+  fmt::print("{}\n", top.str());
+}
+
+// `tandem ps stats` as a table.
+void PrintPsStatsTable(const Cluster& cluster, const std::vector<StatsOutcome>& out, bool partitions) {
+  fmt::print("job '{}', epoch {}: {} server(s); shard map v{}: {} partitions of {} elements\n", cluster.job_id,
+             cluster.epoch, out.size(), cluster.shard_map.version(), cluster.shard_map.partitions_size(),
+             cluster.shard_map.partition_size());
+  fmt::print("  {:>6}  {:<21} {:>5}  {:<9} {:>8} {:>7} {:>11} {:>7} {:>5}  {}\n", "MEMBER", "ADDRESS", "EPOCH",
+             "OPTIMIZER", "STEP", "PRI/BAK", "STATE BYTES", "SKIPPED", "LAG", "LAST CHECKPOINT");
+  for (size_t i = 0; i < out.size(); ++i) {
+    const Server& server = cluster.servers[i];
+    if (!out[i].status.ok()) {
+      fmt::print("  {:>6}  {:<21} unreachable: {}\n", server.member_id, server.address, out[i].status.ToString());
+      continue;
+    }
+    const auto& s = out[i].stats;
+    const auto [primary, backup] = RolesOf(s);
+    std::string last = "-";
+    if (s.has_last_checkpoint()) {
+      const auto& c = s.last_checkpoint();
+      last = fmt::format("{} {} (step {}, {}, {:.3f} s)", c.checkpoint_id(), CheckpointStateName(c.state()), c.step(),
+                         HumanBytes(c.bytes()), Seconds(c.duration()));
+      if (c.state() == v1::CHECKPOINT_STATE_FAILED) last += ": " + c.error();
+    }
+    fmt::print("  {:>6}  {:<21} {:>5}  {:<9} {:>8} {:>7} {:>11} {:>7} {:>5}  {}\n", server.member_id, server.address,
+               s.epoch(), s.optimizer().empty() ? "-" : s.optimizer(), s.step(), fmt::format("{}/{}", primary, backup),
+               HumanBytes(s.state_bytes()), s.skipped_steps(), LagOf(s), last);
+  }
+  for (const auto& n : cluster.notes) fmt::print("note: {}\n", n);
+  if (partitions) {
+    struct Row {
+      uint64_t member;
+      const v1::PartitionStats* p;
+    };
+    std::vector<Row> rows;
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!out[i].status.ok()) continue;
+      for (const auto& p : out[i].stats.partitions()) rows.push_back({cluster.servers[i].member_id, &p});
+    }
+    std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
+      if (a.p->partition_id() != b.p->partition_id()) return a.p->partition_id() < b.p->partition_id();
+      if (a.p->role() != b.p->role()) return a.p->role() < b.p->role();
+      return a.member < b.member;
+    });
+    fmt::print("\n  {:>9}  {:<23} {:>6}  {:<7} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>5}\n", "PARTITION", "RANGE",
+               "MEMBER", "ROLE", "VERSION", "STEP", "PUSHES", "PULLS", "PUSHED", "PULLED", "LAG");
+    for (const auto& [member, p] : rows) {
+      fmt::print("  {:>9}  {:<23} {:>6}  {:<7} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>5}\n", p->partition_id(),
+                 fmt::format("[{}, {})", p->range().begin(), p->range().end()), member,
+                 p->role() == v1::REPLICA_ROLE_PRIMARY ? "primary" : "backup", p->version(), p->step(), p->pushes(),
+                 p->pulls(), HumanBytes(p->bytes_pushed()), HumanBytes(p->bytes_pulled()), p->replication_lag());
+    }
+  }
+}
+
+}  // namespace
+
 int PsStatsCommand(int argc, char** argv) {
   ClusterFlags f;
   bool partitions = false;
@@ -799,11 +994,7 @@ int PsStatsCommand(int argc, char** argv) {
   const std::string program = options.program();
   Cluster cluster;
   if (int rc = Resolve(program, f, Need::kNothing, &cluster); rc >= 0) return rc;
-  struct Outcome {
-    Status status;
-    v1::GetStatsResponse stats;
-  };
-  std::vector<Outcome> out(cluster.servers.size());
+  std::vector<StatsOutcome> out(cluster.servers.size());
   ForEachServer(cluster, [&](size_t i) {
     v1::GetStatsRequest request;
     request.set_job_id(cluster.job_id);
@@ -812,178 +1003,14 @@ int PsStatsCommand(int argc, char** argv) {
     auto ctx = Deadline(f.timeout);
     out[i].status = Status::FromGrpc(cluster.servers[i].stub->GetStats(ctx.get(), request, &out[i].stats));
   });
-  // --verify-replicas: each partition's copies compared. Copies at
-  // different versions are an update on its way to the backup (or a backup
-  // still being built), not a fault; at the same version they must agree.
-  struct Copy {
-    uint64_t version;
-    uint32_t crc;
-  };
-  std::map<uint32_t, std::vector<Copy>> copies;
-  std::vector<uint32_t> differ, behind, single, uninitialized;
-  size_t agree = 0;
-  if (verify) {
-    for (const auto& o : out) {
-      if (!o.status.ok()) continue;
-      for (const auto& p : o.stats.partitions()) copies[p.partition_id()].push_back({p.version(), p.state_crc32c()});
-    }
-    for (const auto& entry : copies) {
-      const auto& id = entry.first;
-      const auto& c = entry.second;  // not a structured binding: clang 14 cannot capture one in a lambda
-      if (c.size() < 2) {
-        single.push_back(id);
-        continue;
-      }
-      const bool same_version =
-          std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.version == c[0].version; });
-      const bool some_empty = std::any_of(c.begin(), c.end(), [](const Copy& x) { return x.version == 0; });
-      if (!same_version && some_empty) {
-        uninitialized.push_back(id);
-        continue;
-      }
-      const bool same_crc = std::all_of(c.begin(), c.end(), [&](const Copy& x) { return x.crc == c[0].crc; });
-      if (!same_version) {
-        behind.push_back(id);
-      } else if (!same_crc) {
-        differ.push_back(id);
-      } else {
-        ++agree;
-      }
-    }
-  }
-  auto id_list = [](const std::vector<uint32_t>& ids) {
-    std::vector<std::string> s;
-    for (uint32_t id : ids) s.push_back(std::to_string(id));
-    return s;
-  };
-  auto lag_of = [](const v1::GetStatsResponse& s) {
-    uint64_t lag = 0;
-    for (const auto& p : s.partitions()) lag = std::max(lag, p.replication_lag());
-    return lag;
-  };
-  auto roles_of = [](const v1::GetStatsResponse& s) {
-    std::pair<uint32_t, uint32_t> n{0, 0};
-    for (const auto& p : s.partitions()) ++(p.role() == v1::REPLICA_ROLE_PRIMARY ? n.first : n.second);
-    return n;
-  };
+  const ReplicaCheck check = verify ? CompareReplicas(out) : ReplicaCheck{};
+  const auto& [differ, behind, single, uninitialized, agree] = check;
   size_t failed = 0;
   for (const auto& o : out) failed += o.status.ok() ? 0 : 1;
   if (f.json) {
-    std::vector<std::string> rows;
-    for (size_t i = 0; i < out.size(); ++i) {
-      JsonObject row;
-      row.Num("member", cluster.servers[i].member_id).Str("address", cluster.servers[i].address);
-      if (!out[i].status.ok()) {
-        rows.push_back(row.Flag("ok", false).Str("error", out[i].status.ToString()).str());
-        continue;
-      }
-      const auto& s = out[i].stats;
-      const auto [primary, backup] = roles_of(s);
-      row.Flag("ok", true)
-          .Num("member_id", s.member_id())
-          .Num("epoch", s.epoch())
-          .Str("optimizer", s.optimizer())
-          .Str("consistency", ConsistencyName(s.consistency()))
-          .Num("step", s.step())
-          .Num("primary_partitions", primary)
-          .Num("backup_partitions", backup)
-          .Num("state_bytes", s.state_bytes())
-          .Num("skipped_steps", s.skipped_steps())
-          .Num("replication_lag", lag_of(s))
-          .Raw("last_checkpoint", s.has_last_checkpoint() ? CheckpointInfoJson(s.last_checkpoint()) : "null");
-      if (partitions) {
-        std::vector<std::string> parts;
-        for (const auto& p : s.partitions()) {
-          parts.push_back(JsonObject()
-                              .Num("partition_id", p.partition_id())
-                              .Num("begin", p.range().begin())
-                              .Num("end", p.range().end())
-                              .Str("role", p.role() == v1::REPLICA_ROLE_PRIMARY ? "primary" : "backup")
-                              .Num("version", p.version())
-                              .Num("step", p.step())
-                              .Num("pushes", p.pushes())
-                              .Num("pulls", p.pulls())
-                              .Num("bytes_pushed", p.bytes_pushed())
-                              .Num("bytes_pulled", p.bytes_pulled())
-                              .Num("replication_lag", p.replication_lag())
-                              .Raw("state_crc32c", p.has_state_crc32c() ? std::to_string(p.state_crc32c()) : "null")
-                              .str());
-        }
-        row.Raw("partitions", JsonArray(parts));
-      }
-      rows.push_back(row.str());
-    }
-    std::vector<std::string> notes;
-    for (const auto& n : cluster.notes) notes.push_back(JsonQuote(n));
-    JsonObject top;
-    top.Str("job", cluster.job_id)
-        .Num("epoch", cluster.epoch)
-        .Num("shard_map_version", cluster.shard_map.version())
-        .Num("partitions", static_cast<uint64_t>(cluster.shard_map.partitions_size()))
-        .Flag("ok", failed == 0 && differ.empty())
-        .Raw("notes", JsonArray(notes))
-        .Raw("servers", JsonArray(rows));
-    if (verify) {
-      top.Raw("replicas", JsonObject()
-                              .Num("agree", static_cast<uint64_t>(agree))
-                              .Raw("differ", JsonArray(id_list(differ)))
-                              .Raw("behind", JsonArray(id_list(behind)))
-                              .Raw("without_backup", JsonArray(id_list(single)))
-                              .Raw("uninitialized", JsonArray(id_list(uninitialized)))
-                              .str());
-    }
-    fmt::print("{}\n", top.str());
+    PrintPsStatsJson(cluster, out, partitions, verify, check, failed);
   } else {
-    fmt::print("job '{}', epoch {}: {} server(s); shard map v{}: {} partitions of {} elements\n", cluster.job_id,
-               cluster.epoch, out.size(), cluster.shard_map.version(), cluster.shard_map.partitions_size(),
-               cluster.shard_map.partition_size());
-    fmt::print("  {:>6}  {:<21} {:>5}  {:<9} {:>8} {:>7} {:>11} {:>7} {:>5}  {}\n", "MEMBER", "ADDRESS", "EPOCH",
-               "OPTIMIZER", "STEP", "PRI/BAK", "STATE BYTES", "SKIPPED", "LAG", "LAST CHECKPOINT");
-    for (size_t i = 0; i < out.size(); ++i) {
-      const Server& server = cluster.servers[i];
-      if (!out[i].status.ok()) {
-        fmt::print("  {:>6}  {:<21} unreachable: {}\n", server.member_id, server.address, out[i].status.ToString());
-        continue;
-      }
-      const auto& s = out[i].stats;
-      const auto [primary, backup] = roles_of(s);
-      std::string last = "-";
-      if (s.has_last_checkpoint()) {
-        const auto& c = s.last_checkpoint();
-        last = fmt::format("{} {} (step {}, {}, {:.3f} s)", c.checkpoint_id(), CheckpointStateName(c.state()), c.step(),
-                           HumanBytes(c.bytes()), Seconds(c.duration()));
-        if (c.state() == v1::CHECKPOINT_STATE_FAILED) last += ": " + c.error();
-      }
-      fmt::print("  {:>6}  {:<21} {:>5}  {:<9} {:>8} {:>7} {:>11} {:>7} {:>5}  {}\n", server.member_id, server.address,
-                 s.epoch(), s.optimizer().empty() ? "-" : s.optimizer(), s.step(),
-                 fmt::format("{}/{}", primary, backup), HumanBytes(s.state_bytes()), s.skipped_steps(), lag_of(s),
-                 last);
-    }
-    for (const auto& n : cluster.notes) fmt::print("note: {}\n", n);
-    if (partitions) {
-      struct Row {
-        uint64_t member;
-        const v1::PartitionStats* p;
-      };
-      std::vector<Row> rows;
-      for (size_t i = 0; i < out.size(); ++i) {
-        if (!out[i].status.ok()) continue;
-        for (const auto& p : out[i].stats.partitions()) rows.push_back({cluster.servers[i].member_id, &p});
-      }
-      std::sort(rows.begin(), rows.end(), [](const Row& a, const Row& b) {
-        if (a.p->partition_id() != b.p->partition_id()) return a.p->partition_id() < b.p->partition_id();
-        if (a.p->role() != b.p->role()) return a.p->role() < b.p->role();
-        return a.member < b.member;
-      });
-      fmt::print("\n  {:>9}  {:<23} {:>6}  {:<7} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>5}\n", "PARTITION", "RANGE",
-                 "MEMBER", "ROLE", "VERSION", "STEP", "PUSHES", "PULLS", "PUSHED", "PULLED", "LAG");
-      for (const auto& [member, p] : rows) {
-        fmt::print("  {:>9}  {:<23} {:>6}  {:<7} {:>8} {:>8} {:>8} {:>8} {:>11} {:>11} {:>5}\n", p->partition_id(),
-                   fmt::format("[{}, {})", p->range().begin(), p->range().end()), member,
-                   p->role() == v1::REPLICA_ROLE_PRIMARY ? "primary" : "backup", p->version(), p->step(), p->pushes(),
-                   p->pulls(), HumanBytes(p->bytes_pushed()), HumanBytes(p->bytes_pulled()), p->replication_lag());
-      }
-    }
+    PrintPsStatsTable(cluster, out, partitions);
   }
   if (verify && !f.json) {
     fmt::print(
@@ -992,11 +1019,11 @@ int PsStatsCommand(int argc, char** argv) {
         agree, differ.size(), behind.size(), single.size());
     if (!behind.empty()) {
       fmt::print("  behind (an update or a transfer on its way; run again to see it settle): {}\n",
-                 fmt::join(id_list(behind), ", "));
+                 fmt::join(IdList(behind), ", "));
     }
     if (!uninitialized.empty()) {
       fmt::print("  a copy not initialised yet (the backup gets the primary's whole state with the next update): {}\n",
-                 fmt::join(id_list(uninitialized), ", "));
+                 fmt::join(IdList(uninitialized), ", "));
     }
     if (failed > 0) {
       fmt::print(
@@ -1007,7 +1034,7 @@ int PsStatsCommand(int argc, char** argv) {
   }
   if (!differ.empty()) {
     fmt::print(stderr, "{}: partition(s) {}: the primary and the backup hold different state at the same version\n",
-               program, fmt::join(id_list(differ), ", "));
+               program, fmt::join(IdList(differ), ", "));
   }
   for (size_t i = 0; i < out.size(); ++i) {
     if (!out[i].status.ok()) {

@@ -176,6 +176,13 @@ void StartCluster(const testing::TempDir& dir, const std::string& job, int n, co
   }
 }
 
+// One story told in order (about 250 lines, on purpose): three servers and
+// two workers train, a primary is killed mid-step while a checkpoint is
+// being saved, and the survivors are checked in turn (parameters equal to
+// a failure-free run, replicas bit-identical, the checkpoint restorable,
+// the metrics, a pull after a restore). Each check depends on the state the
+// ones before it left; split into helpers, it would be harder to follow
+// which phase a failure belongs to.
 TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   testing::TempDir dir;
   PsCluster cluster;
