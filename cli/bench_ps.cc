@@ -356,8 +356,7 @@ Status ServeSize(const BenchConfig& c, comm::FileRendezvous& rendezvous, uint64_
   // The worker closes its group when it is done with a size, just before it
   // says so; the loop below tells that from a failure.
   handler.on_peer_failed = [](int, const Status&) {};
-  handler.try_inline = [hand_over](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned,
-                                   transport::FrameChannel::Then&) mutable {
+  handler.try_inline = [hand_over](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned) mutable {
     hand_over(rank, h, payload, owned);
     return true;
   };

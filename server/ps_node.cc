@@ -557,8 +557,7 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   handler.on_peer_failed = [this, weak](int rank, const Status& status) {
     if (auto g = weak.lock()) loop_.Defer([this, g, rank, status] { OnPeerFailed(g, rank, status); });
   };
-  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned,
-                                    transport::FrameChannel::Then&) {
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>& owned) {
     // A frame of a group that is gone is dropped.
     if (auto g = weak.lock()) HandOver(g, rank, h, payload, owned);
     return true;

@@ -187,11 +187,8 @@ void FrameChannel::OnPayload(Peer* peer, const Status& status) {
 }
 
 void FrameChannel::Deliver(Peer* peer) {
-  Then then;
-  const bool handled =
-      handler_.try_inline && handler_.try_inline(peer->rank, peer->header, peer->payload, peer->owned, then);
-  if (!handled) then = nullptr;  // declined: the whole frame goes to on_frame
-  if (handled && !then) {
+  const bool handled = handler_.try_inline && handler_.try_inline(peer->rank, peer->header, peer->payload, peer->owned);
+  if (handled) {
     std::unique_ptr<Request> old;
     MutexLock lock(&peer->mu);
     old = PostHeaderLocked(peer);
@@ -200,7 +197,6 @@ void FrameChannel::Deliver(Peer* peer) {
   {
     MutexLock lock(&peer->mu);
     peer->frame_ready = true;
-    peer->then = std::move(then);
   }
   // The last thing this completion does: the receiver thread may replace
   // (and so drop) its request at once.
@@ -224,23 +220,12 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
     peer->cv.Wait(lock, [&]() TANDEM_REQUIRES(peer->mu) {
       return stopping_.load() || peer->frame_ready || peer->failure_pending;
     });
-    // A frame handled inline has its rest run even when stopping, or after
-    // the peer failed (a payload that completed just as it did).
-    if (stopping_.load() && !(peer->frame_ready && peer->then)) return;
+    if (stopping_.load()) return;
     if (peer->frame_ready) {
       peer->frame_ready = false;
-      Then then = std::move(peer->then);
-      peer->then = nullptr;
-      if (failed && !then) continue;  // nothing more is handled from a failed peer
+      if (failed) continue;  // nothing more is handled from a failed peer
       lock.Unlock();
-      if (then) {
-        // The frame's replies, sent on the completion thread, go out first.
-        transport_->WaitPosted();
-        then();
-        then = nullptr;
-      } else {
-        handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
-      }
+      handler_.on_frame(peer->rank, peer->header, peer->payload, peer->owned);
       lock.Lock();
       std::unique_ptr<Request> old = PostHeaderLocked(peer);  // none once stopping
       lock.Unlock();
@@ -249,7 +234,7 @@ void FrameChannel::ReceiveLoop(Peer* peer) {
       continue;
     }
     // failure_pending: nothing more is received from this peer. The thread
-    // stays until Stop, for the rest of a frame handled inline meanwhile.
+    // stays until Stop.
     peer->failure_pending = false;
     failed = true;
     const Status status = peer->failed;
@@ -286,17 +271,6 @@ void FrameChannel::Stop() {
   }
   for (auto& peer : peers_) {
     if (peer->receiver.joinable()) peer->receiver.join();
-  }
-  // A frame handled inline just as the channel stopped, after its receiver
-  // thread had left: its rest runs here.
-  for (auto& peer : peers_) {
-    Then then;
-    {
-      MutexLock lock(&peer->mu);
-      then = std::move(peer->then);
-      peer->then = nullptr;
-    }
-    if (then) then();
   }
 }
 

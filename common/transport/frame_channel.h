@@ -16,14 +16,12 @@
 // its completion, the payload into a buffer the handler chooses; on the
 // payload's completion the frame goes to the handler, and only once the
 // handler has returned is the next header received (frames of one peer are
-// handled one at a time, in order). The handler's try_inline may handle a
+// handled one at a time, in order). The handler's try_inline may take a
 // frame right there on the transport's completion thread, when it can
-// without blocking (answering a pull whose partition is not being updated,
-// taking in a push and replying to it, completing a waiting request), and
-// may leave a follow-up (`then`: work that may block, such as a large
-// optimizer update the push completed) that the peer's receiver thread runs
-// before the peer's next frame is received; every other frame goes to the peer's receiver thread, so a slow
-// handler (an optimizer update) holds up only its own peer's frames. Send
+// without blocking (a server hands it to its shard's loop; a worker
+// completes the request waiting for it); every other frame goes to the
+// peer's receiver thread, so a slow handler holds up only its own peer's
+// frames. Send
 // posts a frame's two messages from the caller's thread, in call order per
 // peer, and `done` runs on the completion thread once both are sent. Nothing
 // waits on the other side's application, so two processes that send to
@@ -34,8 +32,7 @@
 // Failure: when an operation with a peer fails (the transport reports the
 // peer dead, or a payload of the wrong size), the channel stops receiving
 // from it, refuses later sends to it with that status, and calls
-// on_peer_failed once, on the peer's receiver thread (which then only runs
-// the rest of a frame handled inline as the failure came). Sends already posted
+// on_peer_failed once, on the peer's receiver thread. Sends already posted
 // end as the transport ends them (failed with a dead peer). Stop() cancels
 // the receives and waits for the sends.
 //
@@ -76,20 +73,13 @@ class FrameChannel {
   // Called when a send completed or failed (after its payload is no longer
   // read).
   using SendDone = std::function<void(const Status&)>;
-  // The rest of a frame's handling, run on the peer's receiver thread (or
-  // in Stop): it must not call Stop or Start of its channel.
-  using Then = std::function<void()>;
   // Called first with every frame received, on the transport's completion
-  // thread: handles it there and returns true, or returns false without
+  // thread: handles it there (or hands it on, taking the payload out of
+  // `owned` if it keeps it) and returns true, or returns false without
   // having done anything, and the frame goes to on_frame on the peer's
   // receiver thread. It must not block: the completion thread carries every
-  // peer's messages. A frame handled inline may set `then` to work that must
-  // not run there: the peer's receiver thread runs it before the peer's next
-  // frame is received (also when the channel stops meanwhile: the frame was
-  // handled, so its rest is not dropped; Stop runs it when the receiver
-  // thread has already left).
-  using TryInline =
-      std::function<bool(int peer, const ps::Frame& header, void* payload, std::vector<char>& owned, Then& then)>;
+  // peer's messages.
+  using TryInline = std::function<bool(int peer, const ps::Frame& header, void* payload, std::vector<char>& owned)>;
 
   struct Handler {
     PayloadBuffer payload_buffer;
@@ -155,7 +145,6 @@ class FrameChannel {
     Status failed TANDEM_GUARDED_BY(mu);
     bool failure_pending TANDEM_GUARDED_BY(mu) = false;   // on_peer_failed is still to be called
     bool frame_ready TANDEM_GUARDED_BY(mu) = false;       // a frame waits for the receiver thread
-    Then then TANDEM_GUARDED_BY(mu);                      // with frame_ready: only this is left of it
     std::unique_ptr<Request> recv TANDEM_GUARDED_BY(mu);  // the header or payload receive in flight
     std::map<uint64_t, std::shared_ptr<Outgoing>> sending TANDEM_GUARDED_BY(mu);
     uint64_t next_send TANDEM_GUARDED_BY(mu) = 0;

@@ -170,8 +170,7 @@ Status PsClient::SetEpoch(const v1::MembershipEpoch& epoch, uint64_t self, comm:
   // Replies only complete the request waiting for them (and call
   // on_answered): handled where they arrive, on the transport's completion
   // thread, so the thread waiting for one is the only one woken.
-  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>&,
-                                    transport::FrameChannel::Then&) {
+  handler.try_inline = [this, weak](int rank, const ps::Frame& h, void* payload, std::vector<char>&) {
     if (auto g = weak.lock()) OnFrame(g, rank, h, payload);
     return true;
   };
