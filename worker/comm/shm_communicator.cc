@@ -695,7 +695,8 @@ Status ShmCommunicator::Reduction(const Op& op, const char* src, char* dst, int 
     for (int j = 0; j < n; ++j) {
       srcs[static_cast<size_t>(j)] = j == r ? src + (base + my_off) * element : InSlot(j, t) + my_off * element;
     }
-    char* own = dst + (base + my_off) * element;
+    // No result buffer on a Reduce's other ranks: no arithmetic on null.
+    char* own = dst != nullptr ? dst + (base + my_off) * element : nullptr;
     char* shared = ResultSlot(r, t) + my_off * element;
     if (all) {
       collectives::ReduceMany(srcs.data(), n, own, shared, my_cnt, dtype, op.op, n, stream);
