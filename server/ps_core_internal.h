@@ -15,6 +15,16 @@
 
 namespace tandem::server::store_internal {
 
+// The optimizer names every unit of the store uses.
+using optim::AccumulateWire;
+using optim::EncodeWire;
+using optim::GradScan;
+using optim::GroupParams;
+using optim::Optimizer;
+using optim::ScanGradient;
+using optim::ThreadPool;
+using optim::WireBytes;
+
 constexpr uint32_t kMaxContributors = 1u << 16;
 constexpr size_t kMaxTensors = 1'000'000;
 constexpr size_t kApplyGrain = 1u << 15;  // elements per optimizer task

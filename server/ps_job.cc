@@ -17,15 +17,6 @@
 
 namespace tandem::server {
 
-using optim::AccumulateWire;
-using optim::EncodeWire;
-using optim::GradScan;
-using optim::GroupParams;
-using optim::Optimizer;
-using optim::ScanGradient;
-using optim::ThreadPool;
-using optim::WireBytes;
-
 using namespace store_internal;  // NOLINT(google-build-using-namespace)
 
 Status ParameterStore::Configure(const std::string& job_id,
