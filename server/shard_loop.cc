@@ -27,11 +27,6 @@ bool ShardLoop::InLoop() const {
   return t_running == this;
 }
 
-void ShardLoop::Queued() {
-  const size_t n = queue_.size();
-  if (n > max_queued_.load(std::memory_order_relaxed)) max_queued_.store(n, std::memory_order_relaxed);
-}
-
 void ShardLoop::RunTask(Task& task) {
   tasks_run_.fetch_add(1, std::memory_order_relaxed);
   task();
@@ -46,7 +41,6 @@ bool ShardLoop::Defer(Task task) {
     MutexLock lock(&mu_);
     if (stopping_) return false;
     queue_.push_back(Entry{std::move(task), false});
-    Queued();
     if (owner_ != Owner::kNone) return true;  // its runner takes it
     owner_ = Owner::kCaller;
   }
@@ -58,7 +52,6 @@ bool ShardLoop::Post(Task task) {
   MutexLock lock(&mu_);
   if (stopping_) return false;
   queue_.push_back(Entry{std::move(task), true});
-  Queued();
   if (owner_ == Owner::kNone) {
     owner_ = Owner::kThread;
     wake_.NotifyAll();
@@ -81,7 +74,6 @@ void ShardLoop::Offload(Task task) {
   // The caller that runs the loop hands it to the thread after this task.
   queue_.insert(queue_.begin() + static_cast<std::ptrdiff_t>(offloaded_), Entry{std::move(task), true});
   ++offloaded_;
-  Queued();
 }
 
 void ShardLoop::Drain(bool on_thread) {

@@ -70,11 +70,9 @@ class ShardLoop {
   // are dropped. Idempotent; not from a task.
   void Stop() TANDEM_EXCLUDES(mu_);
 
-  // Tasks started so far, those the loop's thread ran, and the most that
-  // waited at once (for tests and the metrics).
+  // Tasks started so far, and those the loop's thread ran (for tests).
   uint64_t tasks_run() const { return tasks_run_.load(std::memory_order_relaxed); }
   uint64_t tasks_on_thread() const { return tasks_on_thread_.load(std::memory_order_relaxed); }
-  size_t max_queued() const { return max_queued_.load(std::memory_order_relaxed); }
 
  private:
   struct Entry {
@@ -89,7 +87,6 @@ class ShardLoop {
   void Drain(bool on_thread) TANDEM_EXCLUDES(mu_);
   void ThreadMain();
   void RunTask(Task& task);
-  void Queued() TANDEM_REQUIRES(mu_);
 
   Mutex mu_;
   CondVar wake_;
@@ -101,7 +98,6 @@ class ShardLoop {
   bool stopped_ TANDEM_GUARDED_BY(mu_) = false;
   std::atomic<uint64_t> tasks_run_{0};
   std::atomic<uint64_t> tasks_on_thread_{0};
-  std::atomic<size_t> max_queued_{0};
   Mutex stop_mu_;
   std::thread thread_;
 };
