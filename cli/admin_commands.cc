@@ -103,8 +103,9 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
                        s.rendezvous().waiting_servers());
   }
   if (!s.waiting_reason().empty()) out += s.waiting_reason() + "\n";
-  out += fmt::format("\n  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>9}  {}\n", "MEMBER", "ROLE",
-                     "STATE", "RANK", "NODE", "LOCAL", "NODE ID", "GPUS", "STEP", "HEARTBEAT", "HEALTH");
+  out += fmt::format("\n  {:>6}  {:<20} {:>7}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>9}  {}\n", "MEMBER",
+                     "NAME", "PID", "ROLE", "STATE", "RANK", "NODE", "LOCAL", "NODE ID", "GPUS", "STEP", "HEARTBEAT",
+                     "HEALTH");
   auto members = s.members();
   std::sort(members.begin(), members.end(), [](const v1::MemberStatus& a, const v1::MemberStatus& b) {
     if (a.role() != b.role()) return a.role() < b.role();
@@ -114,14 +115,17 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
   });
   for (const auto& m : members) {
     const bool ranked = m.has_rank();
-    out += fmt::format("  {:>6}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>8.1f}s  {}\n", m.member_id(),
-                       m.role() == v1::ROLE_SERVER ? "server" : "worker", StateName(m.state()),
-                       ranked ? std::to_string(m.rank().global_rank()) : "-",
-                       ranked ? std::to_string(m.rank().node_rank()) : "-",
-                       ranked ? std::to_string(m.rank().local_rank()) : "-",
-                       (m.node().node_id().empty() ? m.node().hostname() : m.node().node_id()).substr(0, 16),
-                       m.node().local_device_count(), m.last_step(),
-                       TimeUtil::DurationToMilliseconds(m.last_heartbeat_age()) / 1000.0, HealthName(m.health()));
+    // Names differ at their end (pod-3, worker-12): a long one keeps its end.
+    const std::string& name = m.member_name();
+    const std::string shown = name.empty() ? "-" : name.size() <= 20 ? name : "~" + name.substr(name.size() - 19);
+    out += fmt::format(
+        "  {:>6}  {:<20} {:>7}  {:<7} {:<9} {:>5} {:>5} {:>6}  {:<16} {:>4} {:>8} {:>8.1f}s  {}\n", m.member_id(),
+        shown, m.pid() == 0 ? "-" : std::to_string(m.pid()), m.role() == v1::ROLE_SERVER ? "server" : "worker",
+        StateName(m.state()), ranked ? std::to_string(m.rank().global_rank()) : "-",
+        ranked ? std::to_string(m.rank().node_rank()) : "-", ranked ? std::to_string(m.rank().local_rank()) : "-",
+        (m.node().node_id().empty() ? m.node().hostname() : m.node().node_id()).substr(0, 16),
+        m.node().local_device_count(), m.last_step(), TimeUtil::DurationToMilliseconds(m.last_heartbeat_age()) / 1000.0,
+        HealthName(m.health()));
   }
   if (s.shard_map().partitions_size() > 0) {
     std::map<uint64_t, std::pair<int, int>> load;
@@ -147,7 +151,8 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
 
 int StatusCommand(int argc, char** argv) {
   AdminFlags f;
-  OptionSet options("tandem status", "show a job's epoch, members (role, rank, node, step, health) and shard map");
+  OptionSet options("tandem status",
+                    "show a job's epoch, members (name, pid, role, rank, node, step, health) and shard map");
   DeclareAdminFlags(options, &f);
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   v1::GetStatusResponse response;

@@ -22,6 +22,7 @@ using core_util::ToMs;
 using std::chrono::milliseconds;
 
 constexpr size_t kMaxJobIdBytes = 128;
+constexpr size_t kMaxMemberNameBytes = 128;
 constexpr size_t kMaxEndpoints = 16;
 constexpr size_t kMaxCollectives = 64;
 constexpr size_t kMaxHostnameBytes = 253;
@@ -40,6 +41,19 @@ Status ValidateJobId(const std::string& job_id) {
   for (char c : job_id) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
       return InvalidArgument("job_id '{}': only letters, digits, '.', '_' and '-' are accepted", job_id);
+    }
+  }
+  return Status::Ok();
+}
+
+// RegisterRequest.member_name: empty (no name), or 1 to 128 bytes of [A-Za-z0-9._-].
+Status ValidateMemberName(const std::string& name) {
+  if (name.size() > kMaxMemberNameBytes) {
+    return InvalidArgument("member_name: {} bytes, at most {} accepted", name.size(), kMaxMemberNameBytes);
+  }
+  for (char c : name) {
+    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
+      return InvalidArgument("member_name '{}': only letters, digits, '.', '_' and '-' are accepted", name);
     }
   }
   return Status::Ok();
@@ -443,6 +457,7 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   if (!request.control_address().empty()) {
     TANDEM_RETURN_IF_ERROR(ParseHostPort(request.control_address()).status().WithContext("control_address"));
   }
+  TANDEM_RETURN_IF_ERROR(ValidateMemberName(request.member_name()));
 
   MutexLock lock(&mu_);
   auto it = jobs_.find(request.job_id());
@@ -490,7 +505,34 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
     }
   }
 
+  // A live member of the same name and role is an earlier life of this
+  // process's name: a restarted process (a newer incarnation) replaces it at
+  // once; an older incarnation is a process that was itself replaced, and is
+  // refused.
   const std::string host = HostKey(request.node());
+  uint64_t replaced = 0;
+  bool same_process = false;
+  if (!request.member_name().empty()) {
+    for (const auto& [id, m] : job.members) {
+      if (!Alive(m) || m.record.role() != request.role() || m.record.member_name() != request.member_name()) continue;
+      const uint64_t held = m.record.incarnation();
+      const uint64_t incarnation = request.incarnation();
+      // The same process registering again (the reply to its earlier
+      // registration was lost): same incarnation, same pid, same node.
+      same_process = incarnation != 0 && incarnation == held && request.pid() != 0 && request.pid() == m.record.pid() &&
+                     HostKey(m.record.node()) == host;
+      if (!same_process && incarnation <= held) {
+        return AlreadyExists(
+            "member_name '{}' is held by {} {} (incarnation {}, pid {} on {}), and this registration's incarnation {} "
+            "is not newer: a newer process of this name replaced this one, or two processes were given the same "
+            "name",
+            request.member_name(), RoleName(m.record.role()), id, held, m.record.pid(), HostKey(m.record.node()),
+            incarnation);
+      }
+      replaced = id;
+      break;
+    }
+  }
   if (auto h = job.hosts.find(host);
       h != job.hosts.end() && h->second.held_out_until_unix_ms() > clock_->UnixMillis()) {
     return FailedPrecondition("host '{}' is held out after {} failures for another {:.1f} s", host,
@@ -500,7 +542,7 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   size_t alive = 0;
   size_t workers = 0;
   for (const auto& [id, m] : job.members) {
-    if (!Alive(m)) continue;
+    if (!Alive(m) || id == replaced) continue;
     ++alive;
     if (m.record.role() == v1::ROLE_WORKER) ++workers;
   }
@@ -523,6 +565,9 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   m->set_capacity_bytes(request.capacity_bytes());
   m->set_state(v1::MEMBER_STATE_JOINING);
   m->set_registered_unix_ms(clock_->UnixMillis());
+  m->set_member_name(request.member_name());
+  m->set_incarnation(request.member_name().empty() ? 0 : request.incarnation());
+  m->set_pid(request.pid());
   const uint64_t member_id = m->member_id();
   uint64_t seq = Commit(std::move(r));
   Member& member = job.members[member_id];
@@ -531,6 +576,25 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
   if (!job.rendezvous_started && job.latest.epoch() == 0) job.rendezvous_started = now;
   spdlog::debug("job '{}': {} {} registered from {} ({} workers alive)", job.spec.job_id(), RoleName(request.role()),
                 member_id, request.node().hostname(), workers + (request.role() == v1::ROLE_WORKER ? 1 : 0));
+  if (replaced != 0) {
+    // After the new member is in, so that the epoch without the old one
+    // takes the new one in as well (one epoch, not two).
+    const uint64_t old_incarnation = job.members.at(replaced).record.incarnation();
+    std::string why;
+    if (same_process) {
+      spdlog::info("job '{}': {} '{}' (incarnation {}) registered again: member {} replaces its earlier member {}",
+                   job.spec.job_id(), RoleName(request.role()), request.member_name(), request.incarnation(), member_id,
+                   replaced);
+      why = fmt::format("registered again as member {} (incarnation {} of '{}')", member_id, request.incarnation(),
+                        request.member_name());
+    } else {
+      spdlog::info("job '{}': {} '{}' restarted: member {} (incarnation {}) replaces member {} (incarnation {})",
+                   job.spec.job_id(), RoleName(request.role()), request.member_name(), member_id, request.incarnation(),
+                   replaced, old_incarnation);
+      why = fmt::format("replaced by incarnation {} of '{}'", request.incarnation(), request.member_name());
+    }
+    DeclareDead(job, {{replaced, why}}, /*replaced=*/true);
+  }
 
   MaybeCloseRendezvous(job);
   seq = last_sequence_;
@@ -826,7 +890,7 @@ void CoordinatorCore::MaybeActivate(Job& job) {
   spdlog::info("job '{}': epoch {} active", job.spec.job_id(), epoch.epoch());
 }
 
-void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead) {
+void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead, bool replaced) {
   bool in_epoch = false;
   std::set<std::string> failed_hosts;
   std::string detail;
@@ -834,14 +898,21 @@ void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t
     auto it = job.members.find(id);
     if (it == job.members.end() || !Alive(it->second)) continue;
     Member& member = it->second;
-    spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
-                 HostKey(member.record.node()), why);
+    // A replaced member's death was logged by Register, as a restart.
+    if (!replaced) {
+      spdlog::warn("job '{}': {} {} on {} declared dead: {}", job.spec.job_id(), RoleName(member.record.role()), id,
+                   HostKey(member.record.node()), why);
+    }
     ++stats_.failures_detected;
     ++stats_.failures_by_node[{job.spec.job_id(), RoleName(member.record.role()), HostKey(member.record.node())}];
     in_epoch |= InLatest(job, id);
-    failed_hosts.insert(HostKey(member.record.node()));
+    // A restart that replaced its old self says nothing against the host:
+    // counting it could hold the host out and refuse the very registration
+    // that replaced it.
+    if (!replaced) failed_hosts.insert(HostKey(member.record.node()));
     SetMemberState(member, v1::MEMBER_STATE_DEAD, why);
-    if (detail.empty()) detail = fmt::format("member {} failed: {}", id, why);
+    if (detail.empty())
+      detail = replaced ? fmt::format("member {} {}", id, why) : fmt::format("member {} failed: {}", id, why);
   }
   if (dead.size() > 1 && !detail.empty()) detail += fmt::format(" (and {} more)", dead.size() - 1);
   // Host failure history: a host that keeps failing is held out, with
@@ -857,7 +928,8 @@ void CoordinatorCore::DeclareDead(Job& job, const std::vector<std::pair<uint64_t
     h.set_host(host);
     h.set_failures(h.failures() + 1);
     h.set_last_failure_unix_ms(now_ms);
-    if (h.failures() >= options_.host_failures_before_holdout) {
+    // host_failures_before_holdout 0: never hold a host out.
+    if (options_.host_failures_before_holdout > 0 && h.failures() >= options_.host_failures_before_holdout) {
       const uint32_t exponent = std::min<uint32_t>(h.failures() - options_.host_failures_before_holdout, 20);
       const int64_t backoff =
           std::min<int64_t>(options_.host_backoff_base.count() << exponent, options_.host_backoff_max.count());

@@ -57,7 +57,7 @@ struct CoreOptions {
   std::chrono::milliseconds host_backoff_base{5000};
   std::chrono::milliseconds host_backoff_max{300000};
   std::chrono::milliseconds host_failure_reset{600000};
-  // Failures before a host is held out at all.
+  // Failures before a host is held out at all; 0: never hold a host out.
   uint32_t host_failures_before_holdout = 2;
   // After a restart, how long recovered members have to re-attach (heartbeat
   // or re-register) before the usual deadline applies again.
@@ -225,8 +225,11 @@ class CoordinatorCore {
   void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
   void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
   // Marks members dead (id, why), counts one failure per host, and publishes
-  // one epoch without them.
-  void DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead) TANDEM_REQUIRES(mu_);
+  // one epoch without them. `replaced`: the members were replaced by a newer
+  // incarnation of their name (a restart): no host failure is counted, and
+  // nothing is logged (Register logs the restart).
+  void DeclareDead(Job& job, const std::vector<std::pair<uint64_t, std::string>>& dead, bool replaced = false)
+      TANDEM_REQUIRES(mu_);
   void SetMemberState(Member& member, v1::MemberState state, const std::string& detail) TANDEM_REQUIRES(mu_);
   static bool Alive(const Member& m);
   bool InLatest(const Job& job, uint64_t member_id) const;

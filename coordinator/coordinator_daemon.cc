@@ -31,6 +31,9 @@ struct CoordinatorConfig {
   int64_t parameter_count = 0;
   uint64_t partition_size = 4u << 20;
   int64_t max_members = 16384;
+  int64_t host_failures_before_holdout = 2;
+  std::chrono::milliseconds host_holdout_base{5000};
+  std::chrono::milliseconds host_holdout_max{300000};
   std::chrono::milliseconds tick{20};
 };
 
@@ -81,6 +84,17 @@ DaemonSpec MakeDaemonSpec() {
     o.String("data_dir", &c.data_dir, "directory for the durable state (log and snapshots); empty: memory only");
     o.String("auth.token_file", &c.token_file, "file holding the join token every request must carry; empty: none");
     o.Int("max_members", &c.max_members, "most members one job may have", 1, 1 << 20);
+    o.Int("host_failures_before_holdout", &c.host_failures_before_holdout,
+          "a host (node id, else hostname) whose members are declared dead this many times, each within 10 min of "
+          "the last, is held out: its registrations are refused for host_holdout_base, doubling with each further "
+          "failure; 0: never hold a host out. A restart that replaces its old incarnation (same --name) does not "
+          "count",
+          0, 1000);
+    o.Duration("host_holdout_base", &c.host_holdout_base,
+               "how long a host is first held out; each further failure doubles it, up to host_holdout_max",
+               std::chrono::milliseconds(1), std::chrono::milliseconds(86400000));
+    o.Duration("host_holdout_max", &c.host_holdout_max, "the longest a host is held out", std::chrono::milliseconds(1),
+               std::chrono::milliseconds(86400000));
     o.Duration("tick", &c.tick, "how often timers (deadlines, windows) are checked", std::chrono::milliseconds(1),
                std::chrono::milliseconds(1000));
     o.String("job.id", &c.job_id, "the job to create at start-up (members name it); empty: none");
@@ -110,6 +124,10 @@ DaemonSpec MakeDaemonSpec() {
         return InvalidArgument("job.heartbeat_deadline ({}) must be longer than job.heartbeat_interval ({})",
                                FormatDuration(c.heartbeat_deadline), FormatDuration(c.heartbeat_interval));
       }
+      if (c.host_holdout_max < c.host_holdout_base) {
+        return InvalidArgument("host_holdout_max ({}) is below host_holdout_base ({})",
+                               FormatDuration(c.host_holdout_max), FormatDuration(c.host_holdout_base));
+      }
       if (c.max_workers < c.min_workers) {
         return InvalidArgument("job.max_workers ({}) is below job.min_workers ({})", c.max_workers, c.min_workers);
       }
@@ -126,6 +144,9 @@ DaemonSpec MakeDaemonSpec() {
       options.token = std::move(token);
     }
     options.max_members_per_job = static_cast<uint32_t>(c.max_members);
+    options.host_failures_before_holdout = static_cast<uint32_t>(c.host_failures_before_holdout);
+    options.host_backoff_base = c.host_holdout_base;
+    options.host_backoff_max = c.host_holdout_max;
     if (c.data_dir.empty()) {
       spdlog::warn("no --data-dir: the coordinator's state lives in memory and does not survive a restart");
       state->store = std::make_unique<MemoryStore>();

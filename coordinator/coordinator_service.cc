@@ -107,7 +107,8 @@ CoordinatorService::CoordinatorService(CoordinatorCore* core, Store* store, prom
                       .Add({})),
       failures_(prometheus::BuildCounter()
                     .Name("tandem_coordinator_failures_detected_total")
-                    .Help("Members declared dead (missed heartbeats, broken streams, failed epochs).")
+                    .Help("Members declared dead (missed heartbeats, broken streams, failed epochs, restarts that "
+                          "replaced them).")
                     .Register(registry)
                     .Add({})),
       member_failures_(prometheus::BuildCounter()

@@ -84,6 +84,9 @@ void CoordinatorCore::FillMemberStatus(const Job& job, uint64_t id, const Member
   s->set_control_address(m.record.control_address());
   *s->mutable_registered_time() = Timestamp(m.record.registered_unix_ms());
   s->set_capacity_bytes(m.record.capacity_bytes());
+  s->set_member_name(m.record.member_name());
+  s->set_incarnation(m.record.incarnation());
+  s->set_pid(m.record.pid());
   if (auto h = job.hosts.find(HostKey(m.record.node())); h != job.hosts.end()) {
     s->set_host_failures(h->second.failures());
     if (h->second.held_out_until_unix_ms() > 0)

@@ -56,6 +56,31 @@ class CoreTest : public ::testing::Test {
     return M{reply->response.member_id(), reply->response.session_id()};
   }
 
+  // A registration under a member name (RegisterRequest.member_name) with its incarnation and pid.
+  Result<M> TryJoinAs(const std::string& node, const std::string& name, uint64_t incarnation, uint32_t pid,
+                      v1::Role role = v1::ROLE_WORKER) {
+    v1::RegisterRequest r;
+    r.set_job_id("j");
+    r.set_role(role);
+    r.mutable_node()->set_hostname(node);
+    r.mutable_node()->set_node_id(node);
+    r.set_member_name(name);
+    r.set_incarnation(incarnation);
+    r.set_pid(pid);
+    auto reply = core_->Register(r);
+    if (!reply.ok()) return reply.status();
+    const M m{reply->response.member_id(), reply->response.session_id()};
+    members_.push_back(m);
+    return m;
+  }
+
+  const v1::MemberStatus* FindStatus(const v1::GetStatusResponse& s, uint64_t id) {
+    for (const auto& m : s.members()) {
+      if (m.member_id() == id) return &m;
+    }
+    return nullptr;
+  }
+
   M Join(const std::string& node, v1::Role role = v1::ROLE_WORKER) {
     auto m = TryJoin(node, role);
     EXPECT_TRUE(m.ok()) << m.status().ToString();
@@ -783,6 +808,147 @@ TEST_F(CoreTest, EpochValuesArePerEpochAndSetOnce) {
   ASSERT_EQ(got->missing_keys_size(), 1);
   get.set_epoch(7);
   EXPECT_EQ(core_->GetEpochValues(get).status().code(), StatusCode::kAborted);
+}
+
+// Issue 28: a restarted process (a Kubernetes pod keeps its name) replaces
+// its old incarnation at once instead of waiting out its heartbeat deadline.
+TEST_F(CoreTest, ARestartReplacesItsOldIncarnationAtOnceWithoutBlamingTheHost) {
+  CoreOptions options;
+  options.host_failures_before_holdout = 1;  // one counted failure would refuse the replacement
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(2, 2)).ok());
+  auto a = TryJoinAs("n0", "w-0", 100, 41);
+  auto old = TryJoinAs("n1", "w-1", 100, 42);
+  ASSERT_TRUE(a.ok() && old.ok());
+  AckAll(Latest(*a));
+  ASSERT_EQ(Latest(*a).state(), v1::EPOCH_STATE_ACTIVE);
+  // The process of w-1 restarts: the clock does not move, no deadline passes.
+  auto fresh = TryJoinAs("n1", "w-1", 200, 43);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  const auto e = Latest(*a);
+  ASSERT_EQ(e.epoch(), 2u);  // one epoch: without the old member, with the new one
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_FAILURE);
+  EXPECT_NE(e.cause_detail().find("replaced by incarnation 200 of 'w-1'"), std::string::npos) << e.cause_detail();
+  auto ranks = Ranks(e);
+  EXPECT_EQ(ranks.count(old->id), 0u);
+  EXPECT_EQ(ranks.count(fresh->id), 1u);
+  EXPECT_EQ(ranks.size(), 2u);
+  const auto status = Status_();
+  const v1::MemberStatus* gone = FindStatus(status, old->id);
+  ASSERT_NE(gone, nullptr);
+  EXPECT_EQ(gone->state(), v1::MEMBER_STATE_DEAD);
+  EXPECT_EQ(gone->host_failures(), 0u);  // a restart says nothing against the host
+  EXPECT_FALSE(gone->has_held_out_until());
+  const v1::MemberStatus* now = FindStatus(status, fresh->id);
+  ASSERT_NE(now, nullptr);
+  EXPECT_EQ(now->member_name(), "w-1");
+  EXPECT_EQ(now->incarnation(), 200u);
+  EXPECT_EQ(now->pid(), 43u);
+  // The old process, if it still runs, learns why; registering again with
+  // its own incarnation, it is refused: it must not take the name back.
+  const Status beat = Beat(*old);
+  EXPECT_EQ(beat.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(beat.message().find("replaced by incarnation 200 of 'w-1'"), std::string::npos) << beat.message();
+  auto stale = TryJoinAs("n1", "w-1", 100, 42);
+  ASSERT_FALSE(stale.ok());
+  EXPECT_EQ(stale.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(stale.status().message().find("member_name 'w-1' is held by worker"), std::string::npos)
+      << stale.status().message();
+  EXPECT_NE(stale.status().message().find("incarnation 200"), std::string::npos) << stale.status().message();
+  EXPECT_NE(stale.status().message().find("incarnation 100 is not newer"), std::string::npos)
+      << stale.status().message();
+  EXPECT_EQ(Latest(*a).epoch(), 2u);  // the refusal changed nothing
+}
+
+TEST_F(CoreTest, AnIncarnationNoNewerThanTheHoldersIsRefusedUnlessItIsTheSameProcess) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  auto holder = TryJoinAs("n0", "w-0", 5, 10);
+  ASSERT_TRUE(holder.ok());
+  EXPECT_EQ(TryJoinAs("n0", "w-0", 4, 11).status().code(), StatusCode::kAlreadyExists);  // older
+  EXPECT_EQ(TryJoinAs("n0", "w-0", 5, 11).status().code(), StatusCode::kAlreadyExists);  // a second process
+  EXPECT_EQ(TryJoinAs("n0", "w-0", 0, 11).status().code(), StatusCode::kAlreadyExists);  // unknown: not newer
+  EXPECT_EQ(TryJoinAs("n1", "w-0", 5, 10).status().code(), StatusCode::kAlreadyExists);  // same pid, other node
+  EXPECT_TRUE(Beat(*holder).ok());                                                       // the holder keeps its place
+  // The same process registering again (the reply to its first registration
+  // was lost) replaces its earlier registration.
+  auto again = TryJoinAs("n0", "w-0", 5, 10);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_NE(again->id, holder->id);
+  const auto status = Status_();
+  ASSERT_NE(FindStatus(status, holder->id), nullptr);
+  EXPECT_EQ(FindStatus(status, holder->id)->state(), v1::MEMBER_STATE_DEAD);
+  // A holder that registered without an incarnation yields to one that has one.
+  ASSERT_TRUE(TryJoinAs("n2", "w-9", 0, 20).ok());
+  EXPECT_TRUE(TryJoinAs("n2", "w-9", 1, 21).ok());
+  // Without a name, nothing is replaced or refused.
+  EXPECT_TRUE(TryJoinAs("n3", "", 0, 30).ok());
+  EXPECT_TRUE(TryJoinAs("n3", "", 0, 30).ok());
+}
+
+TEST_F(CoreTest, TheSameNameInAnotherRoleIsNoReplacement) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  auto worker = TryJoinAs("n0", "pod-0", 1, 10, v1::ROLE_WORKER);
+  auto server = TryJoinAs("n0", "pod-0", 2, 11, v1::ROLE_SERVER);
+  ASSERT_TRUE(worker.ok() && server.ok());
+  const auto status = Status_();
+  ASSERT_EQ(status.members_size(), 2);
+  for (const auto& m : status.members()) EXPECT_NE(m.state(), v1::MEMBER_STATE_DEAD) << m.member_id();
+}
+
+TEST_F(CoreTest, MemberNamesAreValidated) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  auto spaced = TryJoinAs("n0", "worker 1", 1, 10);
+  EXPECT_EQ(spaced.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(spaced.status().message().find("member_name 'worker 1'"), std::string::npos) << spaced.status().message();
+  auto long_name = TryJoinAs("n0", std::string(129, 'w'), 1, 10);
+  EXPECT_EQ(long_name.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(long_name.status().message().find("member_name: 129 bytes"), std::string::npos)
+      << long_name.status().message();
+  EXPECT_TRUE(TryJoinAs("n0", std::string(128, 'w'), 1, 10).ok());
+  EXPECT_TRUE(TryJoinAs("n0", "tandem-workers-0_1.a", 1, 10).ok());
+}
+
+TEST_F(CoreTest, NamesIncarnationsAndPidsSurviveARestart) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 1)).ok());
+  auto a = TryJoinAs("n0", "w-0", 7, 1234);
+  ASSERT_TRUE(a.ok());
+  AckAll(Latest(*a));
+  Open();  // "kill -9" and a new core on the same store
+  const auto status = Status_();
+  const v1::MemberStatus* m = FindStatus(status, a->id);
+  ASSERT_NE(m, nullptr);
+  EXPECT_EQ(m->member_name(), "w-0");
+  EXPECT_EQ(m->incarnation(), 7u);
+  EXPECT_EQ(m->pid(), 1234u);
+  // A process that restarted meanwhile replaces the recovered member at
+  // once, rather than after the recovery grace.
+  auto fresh = TryJoinAs("n0", "w-0", 8, 1300);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  const auto e = Latest(*fresh);
+  EXPECT_EQ(e.epoch(), 2u);
+  EXPECT_EQ(Ranks(e).count(fresh->id), 1u);
+  // And a stale one is still refused.
+  EXPECT_EQ(TryJoinAs("n0", "w-0", 7, 1234).status().code(), StatusCode::kAlreadyExists);
+}
+
+TEST_F(CoreTest, NoHostIsHeldOutWhenFailuresBeforeHoldoutIsZero) {
+  CoreOptions options;
+  options.host_failures_before_holdout = 0;
+  options.host_backoff_base = milliseconds(5000);
+  Open(options);
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  Join("good");
+  for (int round = 0; round < 3; ++round) {
+    auto bad = TryJoin("flaky");
+    ASSERT_TRUE(bad.ok()) << "round " << round << ": " << bad.status().ToString();
+    members_.push_back(*bad);
+    TickWithout(milliseconds(3100), {bad->id});
+  }
+  EXPECT_TRUE(TryJoin("flaky").ok());
 }
 
 }  // namespace
