@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <cctype>
+#include <chrono>
+#include <limits>
 #include <map>
 #include <thread>
 
@@ -20,6 +23,12 @@ void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* co
   options.String("job.id", &config->job_id, "the job to join");
   options.String("node.id", &config->node_id,
                  "this node's identity: members with the same id share a node (default: the hostname)");
+  options.Int("incarnation", &config->incarnation,
+              "which life of its --name this process is: a higher incarnation replaces a live member of the same "
+              "name at once (a restart); a process whose name a higher one took over exits with status 1. 0: this "
+              "process's start time in microseconds since the Unix epoch, so restarts increase with no "
+              "configuration",
+              0, std::numeric_limits<int64_t>::max());
 }
 
 Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const CoordinatorLinkConfig& config, Daemon& daemon,
@@ -30,6 +39,25 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
                           MakeChannel(config.address, daemon.config().tls, daemon.config().max_message_bytes));
   MemberSessionOptions options;
   options.job_id = config.job_id;
+  if (daemon.name_given()) {
+    const std::string& name = daemon.config().name;
+    bool valid = name.size() <= 128;
+    for (char c : name) {
+      valid = valid && (std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-');
+    }
+    if (!valid) {
+      return InvalidArgument(
+          "name '{}': a member registers under its name, which may hold only letters, digits, '.', '_' and '-' (at "
+          "most 128 bytes)",
+          name);
+    }
+    options.member_name = name;
+    options.incarnation = config.incarnation != 0
+                              ? static_cast<uint64_t>(config.incarnation)
+                              : static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(
+                                                          std::chrono::system_clock::now().time_since_epoch())
+                                                          .count());
+  }
   if (!config.token_file.empty()) {
     TANDEM_ASSIGN_OR_RETURN(options.token, ReadFileContents(config.token_file, "coordinator.token_file"));
     while (!options.token.empty() && std::isspace(static_cast<unsigned char>(options.token.back()))) {
@@ -115,6 +143,12 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
   };
   options.on_newer_epoch = hooks.on_newer_epoch;
   options.on_drain = [] { spdlog::warn("the coordinator drains this member"); };
+  options.on_fenced = [d, &up, name = options.member_name, job = options.job_id](const std::string&) {
+    up.Set(0);
+    d->SetReady(false);
+    d->RequestShutdown(FailedPrecondition(
+        "a newer incarnation of '{}' replaced this process, which cannot rejoin job '{}' (see above)", name, job));
+  };
   // Not reachable until the first registration succeeds.
   options.on_connection(false, "not registered yet");
   link->session_ = std::make_unique<MemberSession>(std::move(channel), std::move(options));

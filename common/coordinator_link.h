@@ -28,6 +28,9 @@ struct CoordinatorLinkConfig {
   std::string job_id = "default";          // the job to join
   std::string token_file;                  // file with the join token; empty: none
   std::string node_id;                     // node identity (members with equal ids share a node); default: hostname
+  // Which life of the daemon's --name this process is (RegisterRequest.incarnation);
+  // 0: the time the link starts, in microseconds since the Unix epoch.
+  int64_t incarnation = 0;
 };
 
 void DeclareCoordinatorLinkOptions(OptionSet& options, CoordinatorLinkConfig* config);
@@ -50,7 +53,12 @@ struct MemberHooks {
 class CoordinatorLink {
  public:
   // Opens the channel (with the daemon's TLS settings) and starts the session.
-  // `daemon` must outlive the link.
+  // `daemon` must outlive the link. A daemon whose --name was given registers
+  // under that name (RegisterRequest.member_name) with its incarnation: it
+  // replaces a live member of the same name at once, and when a newer
+  // incarnation of its name has replaced it, it asks the daemon to shut down
+  // with a failure (exit 1), since it can never rejoin. INVALID_ARGUMENT when
+  // the name is not one the coordinator accepts.
   // `node` carries what the role knows of its node (devices, capabilities);
   // the link adds the hostname, node id, cores and memory.
   static Result<std::unique_ptr<CoordinatorLink>> Start(const CoordinatorLinkConfig& config, Daemon& daemon,

@@ -29,7 +29,10 @@ void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config) {
 }
 
 Daemon::Daemon(std::string role, DaemonConfig config)
-    : role_(std::move(role)), config_(std::move(config)), registry_(std::make_shared<prometheus::Registry>()) {
+    : role_(std::move(role)),
+      config_(std::move(config)),
+      name_given_(!config_.name.empty()),
+      registry_(std::make_shared<prometheus::Registry>()) {
   if (config_.name.empty()) config_.name = role_;
 }
 

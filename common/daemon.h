@@ -51,6 +51,9 @@ class Daemon {
 
   const std::string& role() const { return role_; }
   const DaemonConfig& config() const { return config_; }
+  // Whether the name came from the configuration (--name or `name:`);
+  // otherwise config().name is the role, which many processes share.
+  bool name_given() const { return name_given_; }
   prometheus::Registry& registry() { return *registry_; }
   // REQUIRES: called before Start().
   void AddService(std::string full_name, grpc::Service* service);
@@ -79,6 +82,7 @@ class Daemon {
  private:
   std::string role_;
   DaemonConfig config_;
+  bool name_given_ = false;
   std::shared_ptr<prometheus::Registry> registry_;
   std::vector<GrpcServer::ServiceEntry> services_;
   std::unique_ptr<MetricsServer> metrics_;

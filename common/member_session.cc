@@ -71,7 +71,7 @@ void MemberSession::SetConnected(bool connected, const std::string& detail) {
   if (options_.on_connection) options_.on_connection(connected, detail);
 }
 
-bool MemberSession::RegisterOnce(std::string* error) {
+bool MemberSession::RegisterOnce(std::string* error, bool* fenced) {
   v1::RegisterRequest request;
   request.set_job_id(options_.job_id);
   request.set_token(options_.token);
@@ -82,6 +82,8 @@ bool MemberSession::RegisterOnce(std::string* error) {
   request.set_capacity_bytes(options_.capacity_bytes);
   request.set_version(TANDEM_VERSION);
   request.set_pid(static_cast<uint32_t>(getpid()));
+  request.set_member_name(options_.member_name);
+  request.set_incarnation(options_.incarnation);
   {
     MutexLock lock(&mu_);
     if (!reregister_) {
@@ -95,6 +97,8 @@ bool MemberSession::RegisterOnce(std::string* error) {
   const grpc::Status s = stub_->Register(&ctx, request, &response);
   if (!s.ok()) {
     *error = Status::FromGrpc(s).ToString();
+    // ALREADY_EXISTS: a live member of a newer incarnation holds this name.
+    *fenced = s.error_code() == grpc::StatusCode::ALREADY_EXISTS && !options_.member_name.empty();
     return false;
   }
   MutexLock lock(&mu_);
@@ -111,8 +115,11 @@ bool MemberSession::RegisterOnce(std::string* error) {
   incarnation_ = response.coordinator_incarnation();
   heartbeat_interval_ = std::chrono::milliseconds(TimeUtil::DurationToMilliseconds(response.heartbeat_interval()));
   reregister_ = false;
-  spdlog::info("{} coordinator as member {} of job '{}'", resumed ? "re-attached to the" : "registered with the",
-               member_id_, options_.job_id);
+  spdlog::info("{} coordinator as member {} of job '{}'{}", resumed ? "re-attached to the" : "registered with the",
+               member_id_, options_.job_id,
+               options_.member_name.empty()
+                   ? ""
+                   : fmt::format(" ('{}', incarnation {})", options_.member_name, options_.incarnation));
   return true;
 }
 
@@ -127,7 +134,27 @@ void MemberSession::Run() {
     }
     if (!registered) {
       std::string error;
-      if (!RegisterOnce(&error)) {
+      bool fenced = false;
+      if (!RegisterOnce(&error, &fenced)) {
+        if (fenced) {
+          // Replaced by a newer process of the same name: retrying cannot
+          // succeed, and the coordinator has buried this member already.
+          spdlog::error("a newer incarnation of '{}' replaced this process; it stops taking part in job '{}': {}",
+                        options_.member_name, options_.job_id, error);
+          {
+            MutexLock lock(&mu_);
+            stop_ = true;
+            left_ = true;
+            member_id_ = 0;
+            session_id_ = 0;
+          }
+          cv_.NotifyAll();
+          fenced_ = true;
+          // Not "unreachable, waiting for it" (on_connection): on_fenced says what happened.
+          connected_ = false;
+          if (options_.on_fenced) options_.on_fenced(error);
+          return;
+        }
         SetConnected(false, error);
         if (!Sleep(backoff)) return;
         backoff = std::min(backoff * 2, options_.retry_max);

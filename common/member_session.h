@@ -35,6 +35,10 @@ struct MemberSessionOptions {
   std::string job_id = "default";
   std::string token;
   v1::Role role = v1::ROLE_WORKER;
+  // The member's stable name across restarts and which life of it this is
+  // (RegisterRequest.member_name and incarnation); empty: no name.
+  std::string member_name;
+  uint64_t incarnation = 0;
   v1::NodeIdentity node;
   std::string control_address;
   std::vector<v1::Endpoint> endpoints;
@@ -53,6 +57,12 @@ struct MemberSessionOptions {
   // out its timeouts for peers that moved on.
   std::function<void(uint64_t latest_epoch)> on_newer_epoch;
   std::function<void()> on_drain;
+  // Called (once, from the session's thread) when the coordinator refuses a
+  // registration because a newer incarnation of member_name holds the name:
+  // this process was replaced and can never rejoin. The session has stopped
+  // by then (member_id() is 0) and logged why; connected() is false, and
+  // on_connection is not called for it. The owner should exit with a failure.
+  std::function<void(const std::string& why)> on_fenced;
   // Called before each heartbeat for the member's progress in each
   // communicator of its epoch (HeartbeatRequest.collectives; entries beyond
   // the first 64 are dropped). Unset: none reported.
@@ -90,13 +100,18 @@ class MemberSession {
   std::optional<v1::RankAssignment> rank() const;
   // Times the session re-attached to a restarted coordinator.
   uint64_t reattachments() const { return reattachments_; }
+  // True once a newer incarnation of member_name has replaced this member
+  // (MemberSessionOptions::on_fenced); the session has stopped.
+  bool fenced() const { return fenced_; }
   // Waits until the member is part of an active epoch; false on timeout.
   bool WaitActive(std::chrono::milliseconds timeout);
 
  private:
   void Run();
   void HeartbeatLoop();
-  bool RegisterOnce(std::string* error);
+  // False with *error when the registration failed; *fenced when it was
+  // refused because a newer incarnation of member_name holds the name.
+  bool RegisterOnce(std::string* error, bool* fenced);
   void WatchOnce();
   void HandleEpoch(const v1::MembershipEpoch& epoch);
   void Ack(uint64_t epoch, const std::string& error);
@@ -124,6 +139,7 @@ class MemberSession {
   std::atomic<bool> connected_{false};
   std::atomic<uint64_t> step_{0};
   std::atomic<uint64_t> reattachments_{0};
+  std::atomic<bool> fenced_{false};
   std::thread session_thread_;
   std::thread heartbeat_thread_;
 };

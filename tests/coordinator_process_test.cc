@@ -1,7 +1,8 @@
 // The coordinator with real processes on loopback: 8 workers and 2 servers
 // form an epoch; kill -9 of a worker, a new worker, a graceful leave on
 // SIGTERM; kill -9 of the coordinator itself and a restart that members
-// re-attach to without a new rendezvous; a torn log tail; hostile requests.
+// re-attach to without a new rendezvous; a restart under the same name that
+// replaces the old process at once; a torn log tail; hostile requests.
 #include <signal.h>
 
 #include <filesystem>
@@ -194,6 +195,68 @@ TEST_F(CoordinatorProcessTest, FormsEpochsThroughFailuresJoinsLeavesAndACoordina
   (void)extra->process->Stop(milliseconds(5000));
   for (auto& s : servers) (void)s.process->Stop(milliseconds(5000));
   EXPECT_TRUE(restarted->process->Stop(milliseconds(5000)).success());
+}
+
+// Issue 28: a process that restarts under its --name replaces its old
+// incarnation at once (here the old one is stopped, not dead, and the
+// heartbeat deadline is long); when the old one resumes, it finds itself
+// replaced and exits with status 1 instead of taking the name back.
+TEST_F(CoordinatorProcessTest, ARestartUnderTheSameNameReplacesTheOldProcessWhichThenExits) {
+  auto coordinator =
+      StartCoordinator({"--job-min-workers", "1", "--job-min-servers", "0", "--job-heartbeat-deadline", "60s"});
+  ASSERT_TRUE(coordinator.ok()) << coordinator.status().ToString();
+  coordinator_address_ = coordinator->ready.grpc_address;
+  // Two processes of the name "w" (their files are named apart); incarnations by default.
+  const std::vector<std::string> args = {"--coordinator-address",
+                                         coordinator_address_,
+                                         "--node-id",
+                                         "node-0",
+                                         "--data-plane-backend",
+                                         "off",
+                                         "--name",
+                                         "w"};
+  auto old = Start("tandem-worker", "w-old", args);
+  ASSERT_TRUE(old.ok()) << old.status().ToString();
+  auto [s1, t1] = WaitFor([](const auto& s) { return s.active_epoch() == 1; });
+  ASSERT_EQ(s1.active_epoch(), 1u) << testing::ReadFile(coordinator->log_file);
+  ASSERT_EQ(s1.members_size(), 1);
+  EXPECT_EQ(s1.members(0).member_name(), "w");
+  EXPECT_EQ(s1.members(0).pid(), static_cast<uint32_t>(old->process->pid()));
+  const uint64_t old_id = s1.members(0).member_id();
+  const uint64_t old_incarnation = s1.members(0).incarnation();
+  EXPECT_GT(old_incarnation, 0u);
+
+  ASSERT_TRUE(old->process->Signal(SIGSTOP).ok());  // wedged: alive, silent
+  auto fresh = Start("tandem-worker", "w-new", args);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  auto [s2, t2] = WaitFor([](const auto& s) { return s.active_epoch() == 2; });
+  ASSERT_EQ(s2.active_epoch(), 2u) << testing::ReadFile(coordinator->log_file);
+  EXPECT_LT(t2, 20.0) << "the replacement waited " << t2 << " s (the heartbeat deadline is 60 s)";
+  for (const auto& m : s2.members()) {
+    if (m.member_id() == old_id) {
+      EXPECT_EQ(m.state(), v1::MEMBER_STATE_DEAD);
+      EXPECT_EQ(m.host_failures(), 0u);
+    } else {
+      EXPECT_EQ(m.member_name(), "w");
+      EXPECT_GT(m.incarnation(), old_incarnation);
+      EXPECT_EQ(m.pid(), static_cast<uint32_t>(fresh->process->pid()));
+      EXPECT_TRUE(m.has_rank());
+    }
+  }
+  EXPECT_NE(testing::ReadFile(coordinator->log_file).find("worker 'w' restarted"), std::string::npos);
+
+  // The old process resumes: replaced, it exits with status 1 and says why.
+  ASSERT_TRUE(old->process->Signal(SIGCONT).ok());
+  auto exited = old->process->Wait(milliseconds(20000));
+  ASSERT_TRUE(exited.ok()) << "the replaced process did not exit: " << testing::ReadFile(old->log_file);
+  EXPECT_EQ(exited->ToString(), "exit 1") << testing::ReadFile(old->log_file);
+  EXPECT_NE(testing::ReadFile(old->log_file).find("a newer incarnation of 'w' replaced this process"),
+            std::string::npos)
+      << testing::ReadFile(old->log_file);
+  const auto s3 = Status_();
+  EXPECT_EQ(s3.active_epoch(), 2u);  // the refusal changed nothing
+  EXPECT_TRUE(fresh->process->Stop(milliseconds(5000)).success());
+  EXPECT_TRUE(coordinator->process->Stop(milliseconds(5000)).success());
 }
 
 TEST_F(CoordinatorProcessTest, ATornLogTailIsRecoveredUpToTheLastGoodRecord) {

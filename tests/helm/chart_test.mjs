@@ -16,7 +16,8 @@
 //     own loader (`--check-config`, from build/bin), and what it prints fits
 //     the objects: addresses, ports, mounted files, the parameter count;
 //   - the configuration keys the schema accepts plus the ones the chart sets
-//     are exactly the keys each daemon reads;
+//     (and the few it withholds on purpose) are exactly the keys each daemon
+//     reads;
 //   - the dashboards and rules folders become ConfigMaps and a PrometheusRule;
 // and that values.schema.json refuses every file in tests/helm/bad/ with a
 // message naming the field (the file's "# expect:" lines).
@@ -525,6 +526,15 @@ const CHART_OWNED = {
   server: ["coordinator.address", "coordinator.token_file", "job.id", "node.id"],
   worker: ["coordinator.address", "coordinator.token_file", "job.id", "node.id"],
 };
+// Keys the chart neither sets nor accepts, per daemon, on purpose: a member's
+// incarnation must grow with each container restart (its default, the
+// process's start time, does); one value in the shared file would make every
+// restart of a pod a refusal instead of a replacement.
+const CHART_WITHHELD = {
+  coordinator: [],
+  server: ["incarnation"],
+  worker: ["incarnation"],
+};
 function schemaKeys(schema, node, prefix = "", out = []) {
   if (node.$ref) node = node.$ref.split("/").slice(1).reduce((o, k) => o[k], schema);
   if (node.type === "object" && node.properties && node.additionalProperties === false) {
@@ -546,8 +556,13 @@ function keyProblems() {
     const daemon = new Set(Object.keys(flatten(YAML.parse(r.stdout))));
     const accepted = new Set(schemaKeys(schema, schema.properties[values].properties.config));
     const owned = new Set([...CHART_OWNED.common, ...CHART_OWNED[role]]);
+    const withheld = new Set(CHART_WITHHELD[role]);
+    for (const k of withheld) {
+      if (!daemon.has(k)) problems.push(`the chart withholds '${k}' of tandem-${role}, which it does not read`);
+      if (accepted.has(k)) problems.push(`values.schema.json accepts ${values}.config.${k}, which the chart withholds`);
+    }
     for (const k of daemon) {
-      if (!accepted.has(k) && !owned.has(k)) problems.push(`tandem-${role} reads '${k}', which values.schema.json (${values}.config) does not accept and the chart does not set`);
+      if (!accepted.has(k) && !owned.has(k) && !withheld.has(k)) problems.push(`tandem-${role} reads '${k}', which values.schema.json (${values}.config) does not accept and the chart does not set`);
     }
     for (const k of accepted) if (!daemon.has(k)) problems.push(`values.schema.json accepts ${values}.config.${k}, which tandem-${role} does not read`);
     for (const k of owned) {
