@@ -94,17 +94,19 @@ std::string ExecutableDir() {
   return ec ? std::string(".") : exe.parent_path().string();
 }
 
-Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
-  LaunchedDaemon d;
+Result<StartingDaemon> StartDaemon(const LaunchSpec& spec) {
+  StartingDaemon s;
+  LaunchedDaemon& d = s.daemon;
   d.name = spec.name;
   d.log_file = spec.work_dir + "/" + spec.name + ".log";
-  const std::string ready_file = spec.work_dir + "/" + spec.name + ".ready.json";
-  std::remove(ready_file.c_str());
-  // host:0, an IPv6 host in brackets.
-  const std::string any_port =
-      (spec.listen_host.find(':') != std::string::npos ? "[" + spec.listen_host + "]" : spec.listen_host) + ":0";
-  std::vector<std::string> flags = {"--name", spec.name,      "--listen-address", any_port, "--metrics-address",
-                                    any_port, "--ready-file", ready_file};
+  s.ready_file = spec.work_dir + "/" + spec.name + ".ready.json";
+  std::remove(s.ready_file.c_str());
+  // host:port, an IPv6 host in brackets.
+  const std::string host =
+      spec.listen_host.find(':') != std::string::npos ? "[" + spec.listen_host + "]" : spec.listen_host;
+  std::vector<std::string> flags = {
+      "--name",    spec.name,      "--listen-address", fmt::format("{}:{}", host, spec.grpc_port), "--metrics-address",
+      host + ":0", "--ready-file", s.ready_file};
   flags.insert(flags.end(), spec.args.begin(), spec.args.end());
   SpawnOptions options;
   options.argv = spec.exec_prefix;
@@ -117,33 +119,45 @@ Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
   }
   options.output_file = d.log_file;
   TANDEM_ASSIGN_OR_RETURN(d.process, Subprocess::Spawn(options));
+  s.exec_prefix = spec.exec_prefix;
+  s.startup_timeout = spec.startup_timeout;
+  s.deadline = std::chrono::steady_clock::now() + spec.startup_timeout;
+  return s;
+}
 
-  const auto deadline = std::chrono::steady_clock::now() + spec.startup_timeout;
+Result<bool> CheckStarted(StartingDaemon& s) {
+  LaunchedDaemon& d = s.daemon;
+  if (access(s.ready_file.c_str(), R_OK) == 0) {
+    auto ready = ReadReadyFile(s.ready_file);
+    if (!ready.ok()) return ready.status();
+    d.ready = *ready;
+    // A prefix that forked would leave d.process a wrapper that signals cannot stop cleanly.
+    if (!s.exec_prefix.empty() && d.ready.pid != d.process->pid()) {
+      return FailedPrecondition(
+          "{} reports PID {} but was started as PID {}: the exec prefix '{}' must exec the "
+          "daemon, not fork it",
+          d.name, d.ready.pid, d.process->pid(), fmt::join(s.exec_prefix, " "));
+    }
+    return true;
+  }
+  if (!d.process->Running()) {
+    auto exit = d.process->Wait(std::chrono::milliseconds(0));
+    const LogTail tail = TailOfLog(d.log_file, 15);
+    return Unavailable("{} {} during start-up{}; the end of {}:\n{}", d.name, exit.ok() ? DescribeExit(*exit) : "ended",
+                       tail.exception.empty() ? "" : ": " + tail.exception, d.log_file, tail.text);
+  }
+  if (std::chrono::steady_clock::now() > s.deadline) {
+    return DeadlineExceeded("{} did not start serving within {} ms; the end of {}:\n{}", d.name,
+                            s.startup_timeout.count(), d.log_file, TailOfFile(d.log_file, 15));
+  }
+  return false;
+}
+
+Result<LaunchedDaemon> Launch(const LaunchSpec& spec) {
+  TANDEM_ASSIGN_OR_RETURN(StartingDaemon s, StartDaemon(spec));
   while (true) {
-    if (access(ready_file.c_str(), R_OK) == 0) {
-      auto ready = ReadReadyFile(ready_file);
-      if (!ready.ok()) return ready.status();
-      d.ready = *ready;
-      // A prefix that forked would leave d.process a wrapper that signals cannot stop cleanly.
-      if (!spec.exec_prefix.empty() && d.ready.pid != d.process->pid()) {
-        return FailedPrecondition(
-            "{} reports PID {} but was started as PID {}: the exec prefix '{}' must exec the "
-            "daemon, not fork it",
-            spec.name, d.ready.pid, d.process->pid(), fmt::join(spec.exec_prefix, " "));
-      }
-      return d;
-    }
-    if (!d.process->Running()) {
-      auto exit = d.process->Wait(std::chrono::milliseconds(0));
-      const LogTail tail = TailOfLog(d.log_file, 15);
-      return Unavailable("{} {} during start-up{}; the end of {}:\n{}", spec.name,
-                         exit.ok() ? DescribeExit(*exit) : "ended", tail.exception.empty() ? "" : ": " + tail.exception,
-                         d.log_file, tail.text);
-    }
-    if (std::chrono::steady_clock::now() > deadline) {
-      return DeadlineExceeded("{} did not start serving within {} ms; the end of {}:\n{}", spec.name,
-                              spec.startup_timeout.count(), d.log_file, TailOfFile(d.log_file, 15));
-    }
+    TANDEM_ASSIGN_OR_RETURN(const bool started, CheckStarted(s));
+    if (started) return std::move(s.daemon);
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
 }

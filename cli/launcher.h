@@ -39,6 +39,9 @@ struct LaunchSpec {
   // The IP the daemon listens on, port 0, for gRPC and metrics (a simulated
   // node's address: cli/node_network.h).
   std::string listen_host = "127.0.0.1";
+  // The gRPC port (0: any free one, learnt from the ready file). A restarted
+  // coordinator takes its old port again, since every member knows it by it.
+  int grpc_port = 0;
   // Put in front of the daemon's command line, e.g. {"/usr/sbin/ip", "netns",
   // "exec", "tnd1234n0"}; it must exec the daemon in the same process (the
   // PID must be the daemon's: Launch checks the ready file's against it).
@@ -58,10 +61,24 @@ struct LaunchedDaemon {
 };
 
 // Starts exec_prefix + binary + flags + args (or exec_prefix + command(flags
-// + args)), the daemon listening on listen_host port 0 for gRPC and metrics,
-// and waits for its ready file. If it exits or times out first, the error
-// quotes the end of its log (a Python traceback in it).
+// + args)), the daemon listening on listen_host port grpc_port for gRPC and
+// port 0 for metrics, and waits for its ready file. If it exits or times out
+// first, the error quotes the end of its log (a Python traceback in it).
 Result<LaunchedDaemon> Launch(const LaunchSpec& spec);
+
+// Launch in two halves, for a caller that goes on with other work while a
+// daemon starts (the supervisor of `tandem run` restarting one): StartDaemon
+// spawns it, CheckStarted says whether it serves yet (then `daemon.ready` is
+// filled in), or why it never will.
+struct StartingDaemon {
+  LaunchedDaemon daemon;
+  std::string ready_file;
+  std::vector<std::string> exec_prefix;
+  std::chrono::steady_clock::time_point deadline;
+  std::chrono::milliseconds startup_timeout{0};
+};
+Result<StartingDaemon> StartDaemon(const LaunchSpec& spec);
+Result<bool> CheckStarted(StartingDaemon& starting);
 
 // The last `lines` lines of a file (for error messages).
 std::string TailOfFile(const std::string& path, int lines);
