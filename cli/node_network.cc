@@ -494,4 +494,12 @@ std::string NodeNetwork::Describe() const {
                      nodes_ == 1 ? "" : "s", names, bridge_name(), subnet_, host_address(), subnet_);
 }
 
+Status NodeNetwork::SetNodeLink(int node, bool up) {
+  if (!namespaces_) return FailedPrecondition("a network partition needs network namespaces (--network netns)");
+  if (node < 0 || node >= nodes_) return InvalidArgument("node {}: there are nodes 0..{}", node, nodes_ - 1);
+  return Ip({"link", "set", fmt::format("{}v{}", prefix_, node), up ? "up" : "down"})
+      .status()
+      .WithContext(fmt::format("setting node {}'s link {}", node, up ? "up" : "down"));
+}
+
 }  // namespace tandem::cli

@@ -72,6 +72,11 @@ class NodeNetwork {
   // "loopback: every node on 127.0.0.1 (not running as root)".
   std::string Describe() const;
 
+  // Cuts node `node` off the others and the host (its veth's root end set
+  // down), or joins it again (up): a network partition, as `tandem run
+  // --inject partition:node-K@STEP/DURATION` makes one. Namespaces only.
+  Status SetNodeLink(int node, bool up);
+
  private:
   NodeNetwork(int nodes, std::string loopback_reason);
   Status SetUp();
