@@ -145,13 +145,6 @@ std::string Human(double v) {
   return fmt::format("{:.0f}", v);
 }
 
-struct Member {
-  LaunchedDaemon daemon;
-  bool worker = false;
-  bool killed = false;  // by the run, on purpose
-  bool exited = false;
-};
-
 // The model the job trains: its size for the coordinator's shard map, and a
 // few words for the first line.
 struct JobModel {
@@ -256,14 +249,14 @@ std::optional<uint32_t> LastRankInLog(const std::string& path) {
 // Why the run fails when a process ended on its own: "worker-1 (rank 1)
 // exited with status 1: ValueError: ...; the end of LOG:" and the end of its
 // log (a script's traceback).
-std::string EndedMessage(const Member& m, const Result<ExitInfo>& exit) {
+std::string EndedMessage(const Supervised& m, const std::string& how) {
   std::string who = m.daemon.name;
-  if (m.worker) {
+  if (m.role == ProcessRole::kWorker) {
     if (auto rank = LastRankInLog(m.daemon.log_file)) who += fmt::format(" (rank {})", *rank);
   }
   const LogTail tail = TailOfLog(m.daemon.log_file, 15);
-  return fmt::format("{} {}{}; the end of {}:\n{}", who, exit.ok() ? DescribeExit(*exit) : "ended",
-                     tail.exception.empty() ? "" : ": " + tail.exception, m.daemon.log_file, tail.text);
+  return fmt::format("{} {}{}; the end of {}:\n{}", who, how, tail.exception.empty() ? "" : ": " + tail.exception,
+                     m.daemon.log_file, tail.text);
 }
 
 // One local training run: LocalCluster::Start brings the cluster up,
@@ -296,7 +289,7 @@ class LocalCluster {
   Status CheckOptions();
   Status PrepareWorkDir();
   Status StartProcesses();
-  Status Launch(const std::string& binary, const std::string& name, int node, bool is_worker,
+  Status Launch(const std::string& binary, const std::string& name, int node, ProcessRole role,
                 std::vector<std::string> args, decltype(LaunchSpec::command) command = nullptr);
   Status LaunchWorker(int node);
   // The CPUs worker `index` is bound to ("" when unbound).
@@ -309,11 +302,26 @@ class LocalCluster {
   // is in summary_ and was shown).
   uint64_t LastStep() const;
   void ShowProgress(uint64_t last);
-  void CheckProcesses();
+  void Supervise();
   void MaybeKillWorker(uint64_t last);
   bool MaybeAddWorker(uint64_t last);
   bool WaitForTheEnd(uint64_t last);
   void HoldIfAsked();
+
+  // Supervision and faults (below Summarise's steps).
+  Status PlanFaults();
+  FaultSpace SpaceOfFaults() const;
+  // The coordinator's view of the job (status_), asked at most every 250 ms.
+  void PollCoordinator();
+  // Kills the processes the coordinator declared dead (the supervisor restarts them).
+  void FenceTheDead();
+  // Every process up and in the active epoch, every partition backed up.
+  bool Whole() const;
+  void MaybeInject(uint64_t last);
+  void Inject(const Fault& fault, uint64_t last);
+  // Ends a timed fault when its time is up, and notes when the fault was
+  // detected and when the cluster was whole again.
+  void FollowFault();
 
   // Summarise's steps.
   void AskServers();
@@ -337,10 +345,10 @@ class LocalCluster {
   // With o_.bind, worker i runs on its share of the CPUs (an added worker
   // shares those of worker i modulo the starting count).
   std::vector<int> cpus_;
-  std::unique_ptr<NodeNetwork> network_;  // outlives members_ (declared before)
+  std::unique_ptr<NodeNetwork> network_;  // outlives supervisor_ (declared before)
   Clock::time_point t_start_{};
-  std::vector<Member> members_;  // the coordinator first
-  std::string coordinator_;      // its gRPC address
+  std::unique_ptr<Supervisor> supervisor_;  // the processes, the coordinator first
+  std::string coordinator_;                 // its gRPC address
   int next_worker_ = 0;
   // The first process that ended with a failure while the cluster stopped
   // (a script that raised as the others finished: it may still have been
@@ -358,10 +366,37 @@ class LocalCluster {
   std::string line_open_;                        // the live line is on screen (tty)
   std::optional<Clock::time_point> done_since_;  // when the last step was reported
   bool said_waiting_ = false;
+
+  // Supervision and faults.
+  std::unique_ptr<v1::CoordinatorAdmin::Stub> admin_;
+  std::optional<v1::GetStatusResponse> status_;  // unset while the coordinator does not answer
+  Clock::time_point status_at_{};                // asked last
+  Clock::time_point status_fresh_{};             // answered last
+  std::vector<Fault> plan_;                      // --inject, then --chaos
+  size_t next_fault_ = 0;
+  // The fault injected last, until the cluster is whole again.
+  struct ActiveFault {
+    size_t index = 0;  // in summary_.injected
+    Clock::time_point t0{};
+    std::set<int> pids;             // the processes it hit
+    Supervised* process = nullptr;  // kill, stop, slow
+    int node = -1;                  // partition
+    Clock::time_point ends{};       // partition, slow
+    bool over = false;              // kill, stop: at once; partition, slow: at `ends`
+    // When the fault's effect was over: the process it hit is up again
+    // (a new incarnation), the link is up, the process runs at full speed.
+    std::optional<Clock::time_point> settled;
+    Clock::time_point next_toggle{};  // slow: when to stop or continue it next
+  };
+  std::optional<ActiveFault> active_;
 };
 
 LocalCluster::LocalCluster(const ClusterOptions& o, ShutdownSignal& shutdown)
-    : o_(o), shutdown_(shutdown), workers_(o.nodes * o.workers_per_node), script_(!o.script.file.empty()) {
+    : o_(o),
+      shutdown_(shutdown),
+      workers_(o.nodes * o.workers_per_node),
+      script_(!o.script.file.empty()),
+      supervisor_(std::make_unique<Supervisor>(o.restart, [this](const std::string& text) { Event(text); })) {
   summary_.mode = o.train.mode;
   summary_.placement = o.train.placement;
   summary_.tensor_parallel = static_cast<uint32_t>(o.tp);
@@ -410,8 +445,13 @@ Result<bool> LocalCluster::Start() {
       o_.train.mode, o_.nodes, o_.workers_per_node, servers_, o_.train.steps, model_.description, network_->Describe(),
       work_dir_));
   TANDEM_RETURN_IF_ERROR(StartProcesses());
+  if (Status planned = PlanFaults(); !planned.ok()) {
+    StopAll();
+    return planned;
+  }
   Print(fmt::format(
-      "Started {} processes in {:.1f} s{}; training ...\n", members_.size(), Seconds(Clock::now() - t_start_),
+      "Started {} processes in {:.1f} s{}; training ...\n", supervisor_->processes().size(),
+      Seconds(Clock::now() - t_start_),
       cpus_.empty() ? std::string() : fmt::format(" (workers bound to their share of CPUs {})", FormatCpuList(cpus_))));
   return true;
 }
@@ -469,7 +509,7 @@ Status LocalCluster::PrepareWorkDir() {
   return Status::Ok();
 }
 
-Status LocalCluster::Launch(const std::string& binary, const std::string& name, int node, bool is_worker,
+Status LocalCluster::Launch(const std::string& binary, const std::string& name, int node, ProcessRole role,
                             std::vector<std::string> args, decltype(LaunchSpec::command) command) {
   LaunchSpec spec;
   spec.binary = o_.bin_dir + "/" + binary;
@@ -485,58 +525,42 @@ Status LocalCluster::Launch(const std::string& binary, const std::string& name, 
   } else {
     spec.listen_host = network_->host_address();
   }
-  auto d = tandem::cli::Launch(spec);
-  if (!d.ok()) return d.status();
-  Member m;
-  m.daemon = std::move(*d);
-  m.worker = is_worker;
-  members_.push_back(std::move(m));
-  return Status::Ok();
+  return supervisor_->Launch(std::move(spec), role, node);
 }
 
 Status LocalCluster::LaunchWorker(int node) {
   std::vector<std::string> args =
       WorkerArgs(o_, coordinator_, node, !network_->namespaces(), CpusOf(next_worker_), train_);
   const std::string name = fmt::format("worker-{}", next_worker_++);
-  if (!script_) return Launch("tandem-worker", name, node, true, std::move(args));
+  if (!script_) return Launch("tandem-worker", name, node, ProcessRole::kWorker, std::move(args));
   // The script takes the flags in its environment.
   const ClusterOptions& o = o_;
-  return Launch("", name, node, true, std::move(args),
+  return Launch("", name, node, ProcessRole::kWorker, std::move(args),
                 [&o](const std::vector<std::string>& flags) { return ScriptCommand(o.script, o.bin_dir, flags); });
 }
 
 Status LocalCluster::StartProcesses() {
   // The coordinator: the whole job in its flags.
   const int64_t max_workers = workers_ + (o_.add_worker_at > 0 ? 1 : 0);
-  Status status = Launch("tandem-coordinator", "coordinator", -1, false,
-                         {"--data-dir",
-                          work_dir_ + "/coordinator-data",
-                          "--job-min-workers",
-                          std::to_string(workers_),
-                          "--job-max-workers",
-                          std::to_string(max_workers),
-                          "--job-min-servers",
-                          std::to_string(servers_),
-                          "--job-last-call-window",
-                          "0s",
-                          "--job-parameter-count",
-                          std::to_string(servers_ > 0 ? model_.server_parameters : 0),
-                          "--job-partition-size",
-                          std::to_string(o_.partition_bytes),
-                          "--job-heartbeat-interval",
-                          "500ms",
-                          "--job-heartbeat-deadline",
-                          "3s",
-                          "--job-mesh-pp",
-                          std::to_string(o_.pp),
-                          "--job-mesh-tp",
-                          std::to_string(o_.tp)});
-  coordinator_ = status.ok() ? members_[0].daemon.ready.grpc_address : "";
+  Status status =
+      Launch("tandem-coordinator", "coordinator", -1, ProcessRole::kCoordinator,
+             {"--data-dir", work_dir_ + "/coordinator-data", "--job-min-workers", std::to_string(workers_),
+              "--job-max-workers", std::to_string(max_workers), "--job-min-servers", std::to_string(servers_),
+              "--job-last-call-window", "0s", "--job-parameter-count",
+              std::to_string(servers_ > 0 ? model_.server_parameters : 0), "--job-partition-size",
+              std::to_string(o_.partition_bytes), "--job-heartbeat-interval", "500ms", "--job-heartbeat-deadline", "3s",
+              "--job-mesh-pp", std::to_string(o_.pp), "--job-mesh-tp", std::to_string(o_.tp),
+              // The supervisor's restart back-off stands for
+              // the coordinator's holding out of a failing host:
+              // a simulated node whose processes were killed on
+              // purpose is not a bad host.
+              "--host-failures-before-holdout", "0"});
+  coordinator_ = status.ok() ? supervisor_->processes()[0]->daemon.ready.grpc_address : "";
   for (int64_t i = 0; status.ok() && i < servers_ && !shutdown_.requested(); ++i) {
     const int node = static_cast<int>(i % o_.nodes);
     std::vector<std::string> args = {"--coordinator-address", coordinator_, "--node-id", fmt::format("node-{}", node)};
     if (!network_->namespaces()) args.insert(args.end(), {"--server-ucx-net-devices", kLoopbackDevice});
-    status = Launch("tandem-server", fmt::format("server-{}", i), node, false, std::move(args));
+    status = Launch("tandem-server", fmt::format("server-{}", i), node, ProcessRole::kServer, std::move(args));
   }
   for (int64_t i = 0; status.ok() && i < workers_ && !shutdown_.requested(); ++i) {
     status = LaunchWorker(static_cast<int>(i / o_.workers_per_node));
@@ -549,28 +573,11 @@ Status LocalCluster::StartProcesses() {
 }
 
 std::string LocalCluster::StopAll() {
-  // Workers and servers at once, the coordinator last.
-  for (size_t i = members_.size(); i-- > 1;) {
-    if (!members_[i].exited) (void)members_[i].daemon.process->Signal(SIGTERM);
-  }
-  std::string unclean;
-  for (size_t i = members_.size(); i-- > 0;) {
-    auto& m = members_[i];
-    if (i == 0) (void)m.daemon.process->Signal(SIGTERM);
-    if (m.exited) continue;
-    auto exit = m.daemon.process->Wait(std::chrono::milliseconds(10000));
-    if (!exit.ok()) {
-      const ExitInfo killed = m.daemon.process->Stop(std::chrono::milliseconds(0));
-      unclean += fmt::format("\n  {} did not stop within 10 s ({}); the end of {}:\n{}", m.daemon.name,
-                             killed.ToString(), m.daemon.log_file, TailOfFile(m.daemon.log_file, 10));
-    } else if (!exit->success()) {
-      const std::string ended = EndedMessage(m, exit);
-      if (ended_badly_.empty()) ended_badly_ = ended;
-      unclean += "\n  " + ended;
-    }
-    m.exited = true;
-  }
-  return unclean;
+  return supervisor_->StopAll([this](const Supervised& p, const Result<ExitInfo>& exit) {
+    const std::string ended = EndedMessage(p, exit.ok() ? DescribeExit(*exit) : "ended");
+    if (ended_badly_.empty()) ended_badly_ = ended;
+    return ended;
+  });
 }
 
 // --- follow ------------------------------------------------------------------
@@ -593,7 +600,7 @@ void LocalCluster::Follow() {
     reader_->Poll(&records_);
     const uint64_t last = LastStep();
     ShowProgress(last);
-    CheckProcesses();
+    Supervise();
     if (!summary_.failure.empty()) {
       Event("Failed: " + summary_.failure);
       break;
@@ -609,11 +616,14 @@ void LocalCluster::Follow() {
       break;
     }
     MaybeKillWorker(last);
+    FollowFault();
+    MaybeInject(last);
     if (!MaybeAddWorker(last) || !WaitForTheEnd(last)) break;
     // While a kill or an added worker is due, look often: small models
     // train a step in a few milliseconds, and the event should come at the
     // step asked for, not several steps later.
-    const bool event_due = (o_.kill_worker_at > 0 && !killed_) || (o_.add_worker_at > 0 && !added_);
+    const bool event_due = (o_.kill_worker_at > 0 && !killed_) || (o_.add_worker_at > 0 && !added_) ||
+                           next_fault_ < plan_.size() || active_.has_value();
     std::this_thread::sleep_for(std::chrono::milliseconds(event_due ? 2 : 50));
   }
   if (!line_open_.empty()) Print("\n");
@@ -644,27 +654,27 @@ void LocalCluster::ShowProgress(uint64_t last) {
   }
 }
 
-void LocalCluster::CheckProcesses() {
-  // A process that ended on its own is a failure of the run (the first
-  // one found is named: the others may have ended because of it), also
-  // when the survivors finished training meanwhile. A script worker that
-  // exits 0 has only finished its script.
+void LocalCluster::Supervise() {
+  // A process that ended on its own is restarted (cli/supervisor.h), unless
+  // training is over: a script worker that returns after the last step has
+  // only finished its script (rank 0 recorded the step before any worker
+  // could leave the final barrier); one that returns before is restarted
+  // like any other.
   const auto steps = static_cast<uint64_t>(o_.train.steps);
-  for (auto& m : members_) {
-    if (m.exited || m.killed) continue;
-    if (!m.daemon.process->Running()) {
-      m.exited = true;
-      const Result<ExitInfo> exit = m.daemon.process->Wait(std::chrono::milliseconds(0));
-      if (script_ && m.worker && exit.ok() && exit->success()) {
-        // A script that returned after the last step (rank 0 recorded it
-        // before any worker could leave the final barrier); one that
-        // returned before is a failure: the others could wait for it
-        // forever.
-        reader_->Poll(&records_);
-        if (LastStep() >= steps || reader_->finished()) continue;
-      }
-      if (summary_.failure.empty()) summary_.failure = EndedMessage(m, exit);
-    }
+  supervisor_->Poll([this, steps](const Supervised& p, const Result<ExitInfo>& exit) {
+    reader_->Poll(&records_);
+    if (reader_->finished()) return false;
+    return !(script_ && p.role == ProcessRole::kWorker && exit.ok() && exit->success() && LastStep() >= steps);
+  });
+  PollCoordinator();
+  FenceTheDead();
+  // A process with no restarts left leaves the job below its minimum (the
+  // coordinator's, or both copies of partitions lost): training cannot go
+  // on. The first one found is named: the others may have ended because of it.
+  for (auto& p : supervisor_->processes()) {
+    if (p->state != Supervised::State::kDown || !summary_.failure.empty()) continue;
+    summary_.failure = EndedMessage(*p, fmt::format("{} and has no restarts left ({} used, --restarts {})", p->last_end,
+                                                    p->restarts, o_.restart.restarts));
   }
 }
 
@@ -672,15 +682,15 @@ void LocalCluster::MaybeKillWorker(uint64_t last) {
   if (o_.kill_worker_at <= 0 || killed_ || last < static_cast<uint64_t>(o_.kill_worker_at)) return;
   killed_ = true;
   killed_at_ = last;
-  for (size_t i = members_.size(); i-- > 0;) {
-    if (!members_[i].worker || members_[i].exited) continue;
-    (void)members_[i].daemon.process->Signal(SIGKILL);
-    (void)members_[i].daemon.process->Wait(std::chrono::milliseconds(5000));
-    members_[i].killed = true;
-    members_[i].exited = true;
+  auto& processes = supervisor_->processes();
+  for (size_t i = processes.size(); i-- > 0;) {
+    Supervised& p = *processes[i];
+    if (p.role != ProcessRole::kWorker || !p.up()) continue;
+    const int pid = p.pid();
+    supervisor_->Retire(p);
     ++summary_.faults;
-    Event(fmt::format("step {}: killed {} (pid {}) with SIGKILL; the survivors go on in a new epoch", last,
-                      members_[i].daemon.name, members_[i].daemon.ready.pid));
+    Event(fmt::format("step {}: killed {} (pid {}) with SIGKILL for good; the survivors go on in a new epoch", last,
+                      p.name(), pid));
     break;
   }
 }
@@ -710,8 +720,8 @@ bool LocalCluster::MaybeAddWorker(uint64_t last) {
     return false;
   }
   ++summary_.workers_added;
-  Event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last, members_.back().daemon.name,
-                    node));
+  Event(fmt::format("step {}: started {} on node-{}; it joins at the next epoch", last,
+                    supervisor_->processes().back()->name(), node));
   return true;
 }
 
@@ -759,8 +769,9 @@ void LocalCluster::AskServers() {
   // The servers' own count of updates, before they stop.
   std::set<uint64_t> applied;
   std::string detail;
-  for (const auto& m : members_) {
-    if (m.daemon.ready.role != "server" || m.exited) continue;
+  for (const auto& process : supervisor_->processes()) {
+    const Supervised& m = *process;
+    if (m.role != ProcessRole::kServer || !m.up()) continue;
     auto channel = MakeChannel(m.daemon.ready.grpc_address, TlsConfig{});
     if (!channel.ok()) continue;
     auto stub = v1::ParameterServer::NewStub(*channel);
@@ -788,8 +799,9 @@ void LocalCluster::AskServers() {
 }
 
 void LocalCluster::ReadPeakMemory() {
-  for (const auto& m : members_) {
-    if (!m.worker || m.exited || m.killed) continue;
+  for (const auto& p : supervisor_->processes()) {
+    const Supervised& m = *p;
+    if (m.role != ProcessRole::kWorker || !m.up()) continue;
     if (auto peak = ReadPeakResidentBytes(m.daemon.process->pid())) {
       summary_.worker_peak_rss_bytes[m.daemon.name] = *peak;
       summary_.peak_rss_bytes = std::max(summary_.peak_rss_bytes, *peak);
@@ -798,7 +810,8 @@ void LocalCluster::ReadPeakMemory() {
 }
 
 void LocalCluster::Stop() {
-  Print(fmt::format("Stopping {} processes ...\n", members_.size()));
+  if (active_ && active_->node >= 0 && !active_->over) (void)network_->SetNodeLink(active_->node, true);
+  Print(fmt::format("Stopping {} processes ...\n", supervisor_->processes().size()));
   const std::string unclean = StopAll();
   if (!unclean.empty()) {
     if (summary_.failure.empty()) {
@@ -807,6 +820,8 @@ void LocalCluster::Stop() {
     summary_.completed = false;
     Print("Some processes did not stop cleanly:" + unclean + "\n");
   }
+  summary_.restarts = supervisor_->restarts();
+  supervisor_.reset();  // before the network it ran in
   network_.reset();
 }
 
@@ -815,6 +830,7 @@ void LocalCluster::SumUpSteps() {
   const auto& records = records_;
   const auto steps = static_cast<uint64_t>(o_.train.steps);
   summary.elapsed_seconds = Seconds(Clock::now() - t_start_);
+
   summary.steps = LastStep();
   std::set<uint64_t> epochs;
   std::vector<double> step_s, compute_s;
@@ -880,6 +896,236 @@ void LocalCluster::SumUpSteps() {
   }
 }
 
+// --- supervision and faults ---------------------------------------------------
+
+FaultSpace LocalCluster::SpaceOfFaults() const {
+  FaultSpace space;
+  for (const auto& p : supervisor_->processes()) {
+    if (p->role == ProcessRole::kWorker) space.workers.push_back(p->name());
+    if (p->role == ProcessRole::kServer) space.servers.push_back(p->name());
+  }
+  space.nodes = static_cast<int>(o_.nodes);
+  space.namespaces = network_->namespaces();
+  space.steps = static_cast<uint64_t>(o_.train.steps);
+  // A lost worker's share comes back from the servers, or from another
+  // data-parallel replica; a lost server's partitions from their backups.
+  const int64_t replicas = workers_ / std::max<int64_t>(1, o_.tp * o_.pp);
+  space.worker_loss = replicas >= 2 || servers_ > 0;
+  space.server_loss = servers_ >= 2;
+  // A node cut off takes its workers and servers with it: another node must
+  // keep workers, and no two servers (maybe a partition's both copies) may
+  // share the node.
+  space.partition_loss = o_.tp == 1 && o_.pp == 1 && o_.nodes >= 2 && servers_ <= o_.nodes && servers_ != 1;
+  return space;
+}
+
+Status LocalCluster::PlanFaults() {
+  const FaultSpace space = SpaceOfFaults();
+  plan_ = o_.faults;
+  TANDEM_RETURN_IF_ERROR(CheckFaults(plan_, space));
+  if (o_.chaos) {
+    summary_.chaos = true;
+    summary_.chaos_seed = o_.chaos->seed;
+    for (Fault& f : DrawChaos(*o_.chaos, space)) plan_.push_back(std::move(f));
+    std::string drawn;
+    for (size_t i = o_.faults.size(); i < plan_.size(); ++i)
+      drawn += (drawn.empty() ? "" : ",") + FormatFault(plan_[i]);
+    Print(fmt::format("Chaos drill, seed {} (replay: --chaos {}:{}): {}\n", o_.chaos->seed, o_.chaos->seed,
+                      o_.chaos->count, drawn));
+  }
+  std::stable_sort(plan_.begin(), plan_.end(), [](const Fault& a, const Fault& b) { return a.step < b.step; });
+  return Status::Ok();
+}
+
+void LocalCluster::PollCoordinator() {
+  const auto now = Clock::now();
+  if (now - status_at_ < std::chrono::milliseconds(250)) return;
+  status_at_ = now;
+  if (!admin_) {
+    auto channel = MakeChannel(coordinator_, TlsConfig{});
+    if (!channel.ok()) return;
+    admin_ = v1::CoordinatorAdmin::NewStub(*channel);
+  }
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  v1::GetStatusRequest request;
+  request.set_job_id("default");
+  v1::GetStatusResponse response;
+  if (admin_->GetStatus(&ctx, request, &response).ok()) {
+    status_ = std::move(response);
+    status_fresh_ = Clock::now();
+  } else {
+    // Down or restarting: a new channel next time, rather than waiting out
+    // the old one's reconnection back-off.
+    status_.reset();
+    admin_.reset();
+  }
+}
+
+void LocalCluster::FenceTheDead() {
+  if (!status_) return;
+  for (const auto& m : status_->members()) {
+    if (m.state() != v1::MEMBER_STATE_DEAD || m.pid() == 0) continue;
+    for (auto& p : supervisor_->processes()) {
+      if (p->up() && p->pid() == static_cast<int>(m.pid()) &&
+          (m.member_name().empty() || m.member_name() == p->name())) {
+        supervisor_->Fence(*p, fmt::format("was declared dead by the coordinator (member {})", m.member_id()));
+      }
+    }
+  }
+}
+
+bool LocalCluster::Whole() const {
+  if (!supervisor_->AllUp() || !status_ || status_->active_epoch() == 0 || status_->pending_epoch() != 0) return false;
+  std::set<int> active;
+  for (const auto& m : status_->members()) {
+    if (m.state() == v1::MEMBER_STATE_ACTIVE && m.epoch() == status_->active_epoch())
+      active.insert(static_cast<int>(m.pid()));
+  }
+  int servers = 0;
+  for (const auto& p : supervisor_->processes()) {
+    if (p->role == ProcessRole::kCoordinator || !p->up()) continue;
+    if (p->role == ProcessRole::kServer) ++servers;
+    if (!active.count(p->pid())) return false;
+  }
+  if (servers >= 2) {
+    for (const auto& part : status_->shard_map().partitions()) {
+      if (part.backup_member_id() == 0) return false;
+    }
+  }
+  return true;
+}
+
+void LocalCluster::MaybeInject(uint64_t last) {
+  // One fault at a time: the next comes once its step is done and the
+  // cluster is whole again after the one before.
+  if (active_ || next_fault_ >= plan_.size() || last < plan_[next_fault_].step || reader_->finished()) return;
+  if (last >= static_cast<uint64_t>(o_.train.steps) || !Whole()) return;
+  Inject(plan_[next_fault_++], last);
+}
+
+void LocalCluster::Inject(const Fault& f, uint64_t last) {
+  const auto now = Clock::now();
+  ActiveFault a;
+  a.index = summary_.injected.size();
+  a.t0 = now;
+  InjectedFault record;
+  record.fault = f;
+  record.step = last;
+  record.at_seconds = Seconds(now - t_start_);
+  std::string what;
+  if (f.kind == FaultKind::kPartition) {
+    a.node = std::stoi(f.target.substr(5));
+    for (const auto& p : supervisor_->processes()) {
+      if (p->node == a.node && p->up()) a.pids.insert(p->pid());
+    }
+    const Status s = network_->SetNodeLink(a.node, false);
+    if (!s.ok()) {
+      Event(fmt::format("step {}: could not inject {}: {}", last, FormatFault(f), s.message()));
+      return;
+    }
+    a.ends = now + f.duration;
+    what = fmt::format("cut node-{} off the others for {:.1f} s ({} processes)", a.node, Seconds(f.duration),
+                       a.pids.size());
+  } else {
+    Supervised* p = supervisor_->Find(f.target);
+    if (p == nullptr || !p->up()) return;
+    a.process = p;
+    a.pids.insert(p->pid());
+    switch (f.kind) {
+      case FaultKind::kKill:
+        (void)p->daemon.process->Signal(SIGKILL);
+        a.over = true;
+        what = fmt::format("killed {} (pid {}) with SIGKILL", p->name(), p->pid());
+        break;
+      case FaultKind::kStop:
+        supervisor_->Pause(*p);
+        a.over = true;
+        what = fmt::format("stopped {} (pid {}) with SIGSTOP: it hangs", p->name(), p->pid());
+        break;
+      case FaultKind::kSlow:
+        supervisor_->Pause(*p);
+        a.ends = now + f.duration;
+        a.next_toggle = now + std::chrono::milliseconds(300);
+        what = fmt::format("slowed {} (pid {}) to a quarter of its speed for {:.1f} s", p->name(), p->pid(),
+                           Seconds(f.duration));
+        break;
+      case FaultKind::kPartition:
+        break;
+    }
+  }
+  ++summary_.faults;
+  summary_.injected.push_back(record);
+  active_ = a;
+  Event(fmt::format("step {}: injected {}: {}", last, FormatFault(f), what));
+}
+
+void LocalCluster::FollowFault() {
+  if (!active_) return;
+  ActiveFault& a = *active_;
+  InjectedFault& record = summary_.injected[a.index];
+  const Fault& f = record.fault;
+  const auto now = Clock::now();
+  if (!a.over && now >= a.ends) {
+    a.over = true;
+    if (f.kind == FaultKind::kPartition) {
+      const Status s = network_->SetNodeLink(a.node, true);
+      Event(s.ok() ? fmt::format("node-{} is connected again after {:.1f} s", a.node, Seconds(now - a.t0))
+                   : "could not end the partition: " + s.message());
+    } else if (a.process->pid() == *a.pids.begin()) {
+      supervisor_->Resume(*a.process);
+      Event(fmt::format("{} runs at full speed again", a.process->name()));
+    }
+  } else if (!a.over && f.kind == FaultKind::kSlow && now >= a.next_toggle && a.process->pid() == *a.pids.begin()) {
+    // Stopped 300 ms of every 400 ms.
+    if (a.process->stopped) {
+      supervisor_->Resume(*a.process);
+      a.next_toggle = now + std::chrono::milliseconds(100);
+    } else {
+      supervisor_->Pause(*a.process);
+      a.next_toggle = now + std::chrono::milliseconds(300);
+    }
+  }
+  if (record.detected_seconds < 0) {
+    std::string seen;
+    if (a.process != nullptr && a.process->role == ProcessRole::kCoordinator) {
+      if (!a.process->up() || a.process->pid() != *a.pids.begin()) seen = "the supervisor saw it end";
+    } else if (status_ && status_fresh_ > a.t0) {
+      for (const auto& m : status_->members()) {
+        if (!a.pids.count(static_cast<int>(m.pid()))) continue;
+        if (m.state() == v1::MEMBER_STATE_DEAD) {
+          seen = fmt::format("the coordinator declared {} dead", m.member_name().empty() ? "it" : m.member_name());
+        } else if (f.kind == FaultKind::kSlow &&
+                   (m.health() == v1::MEMBER_HEALTH_STRAGGLER || m.health() == v1::MEMBER_HEALTH_LATE)) {
+          seen = fmt::format("the coordinator named {} {}", m.member_name().empty() ? "it" : m.member_name(),
+                             m.health() == v1::MEMBER_HEALTH_STRAGGLER ? "a straggler" : "late");
+        }
+        if (!seen.empty()) break;
+      }
+    }
+    if (!seen.empty()) {
+      record.detected_seconds = Seconds(now - a.t0);
+      record.detection = seen;
+      Event(fmt::format("{} detected after {:.1f} s: {}", FormatFault(f), record.detected_seconds, seen));
+    }
+  }
+  if (!a.settled && a.over) {
+    // A process that was hit must have come back as a new incarnation.
+    const bool back =
+        a.process == nullptr || f.kind == FaultKind::kSlow || (a.process->up() && a.process->pid() != *a.pids.begin());
+    if (back) a.settled = now;
+  }
+  // Whole again, by a status the coordinator gave after that.
+  if (a.settled && status_fresh_ > *a.settled && Whole()) {
+    record.recovered_seconds = Seconds(now - a.t0);
+    if (record.detection.empty()) {
+      record.detection = f.kind == FaultKind::kPartition ? "ridden out in the same epoch" : "not detected";
+    }
+    Event(fmt::format("{}: the cluster is whole again after {:.1f} s", FormatFault(f), record.recovered_seconds));
+    active_.reset();
+  }
+}
+
 }  // namespace
 
 Result<RunSummary> RunLocalTraining(const ClusterOptions& o, ShutdownSignal& shutdown) {
@@ -897,6 +1143,20 @@ std::string SummaryJson(const RunSummary& s) {
   }
   std::string idle;
   for (size_t i = 0; i < s.pipeline_idle.size(); ++i) idle += (i ? "," : "") + JsonNumber(s.pipeline_idle[i], 4);
+  std::string restarts;
+  for (const auto& [role, n] : s.restarts)
+    restarts += fmt::format("{}{}: {}", restarts.empty() ? "" : ", ", JsonQuote(role), n);
+  std::string injected;
+  for (const InjectedFault& f : s.injected) {
+    injected += fmt::format(
+        "{}\n    {{\"kind\": {}, \"process\": {}, \"step\": {}, \"planned_step\": {}, \"duration_seconds\": {}, "
+        "\"at_seconds\": {}, \"detected_seconds\": {}, \"recovered_seconds\": {}, \"detection\": {}}}",
+        injected.empty() ? "" : ",", JsonQuote(FaultKindName(f.fault.kind)), JsonQuote(f.fault.target), f.step,
+        f.fault.step, JsonNumber(std::chrono::duration<double>(f.fault.duration).count(), 3),
+        JsonNumber(f.at_seconds, 3), f.detected_seconds < 0 ? "null" : JsonNumber(f.detected_seconds, 3),
+        f.recovered_seconds < 0 ? "null" : JsonNumber(f.recovered_seconds, 3), JsonQuote(f.detection));
+  }
+  if (!injected.empty()) injected += "\n  ";
   std::string losses;
   for (size_t i = 0; i < s.losses.size(); ++i) {
     losses += (i ? "," : "") + (std::isfinite(s.losses[i]) ? fmt::format("{:.6f}", s.losses[i]) : std::string("null"));
@@ -911,7 +1171,8 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
       "{},\n"
       "  \"worker_peak_rss_bytes\": {{{}}},\n  \"peak_parameter_bytes\": {},\n  \"placement\": {},\n"
-      "  \"tensor_parallel\": {},\n  \"losses\": [{}]\n}}\n",
+      "  \"tensor_parallel\": {},\n  \"restarts\": {{{}}},\n  \"chaos_seed\": {},\n  \"injected\": [{}],\n"
+      "  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
       s.server_steps_applied ? std::to_string(*s.server_steps_applied) : "null", JsonNumber(s.step_seconds_median, 6),
@@ -919,7 +1180,8 @@ std::string SummaryJson(const RunSummary& s) {
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
       s.checkpoint.empty() ? "null" : JsonQuote(s.checkpoint), s.pipeline_stages,
       s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle, JsonNumber(s.analytic_bubble, 4),
-      s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement), s.tensor_parallel, losses);
+      s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement), s.tensor_parallel, restarts,
+      s.chaos ? std::to_string(s.chaos_seed) : "null", injected, losses);
 }
 
 }  // namespace tandem::cli

@@ -5,10 +5,13 @@
 // workers over K simulated nodes (network namespaces joined by a bridge when
 // run as root, loopback otherwise: cli/node_network.h), has the workers train
 // the reference model or a user's PyTorch script, follows their progress
-// (the JSON lines global rank 0 appends, one per step), injects the faults
-// asked for (SIGKILL a worker at a step, start one more at a step), and stops
-// everything with SIGTERM once the last step is done, on Ctrl-C, or when a
-// process fails. It then asks every server how many updates it applied.
+// (the JSON lines global rank 0 of the current epoch appends, one per step),
+// supervises the processes (cli/supervisor.h: one that ends on its own is
+// restarted, one the coordinator declared dead is killed and restarted),
+// injects the faults asked for (cli/faults.h; start one more worker at a
+// step), and stops everything with SIGTERM once the last step is done, on
+// Ctrl-C, or when training cannot go on. It then asks every server how many
+// updates it applied.
 // (cli/local_cluster.cc: a LocalCluster runs these as its Start, Follow and
 // Summarise steps.)
 //
@@ -24,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "cli/faults.h"
+#include "cli/supervisor.h"
 #include "common/shutdown.h"
 #include "common/status.h"
 #include "worker/runtime/trainer.h"
@@ -48,7 +53,7 @@ struct ClusterOptions {
   int64_t tp = 1;                        // tensor-parallel ranks (the job's mesh.tp), inside a node
   worker::TrainConfig train;             // steps, mode, data, seed, model, optimizer, ...
   uint64_t partition_bytes = 256 << 10;  // the servers' partition size
-  int64_t kill_worker_at = 0;            // SIGKILL one worker once this step is done (0: never)
+  int64_t kill_worker_at = 0;            // SIGKILL one worker for good once this step is done (0: never)
   int64_t add_worker_at = 0;             // start one more worker once this step is done (0: never)
   std::string network = "auto";          // auto | netns | loopback
   std::string backend = "auto";          // the workers' data_plane.backend
@@ -61,6 +66,24 @@ struct ClusterOptions {
   bool hold = false;                     // after the last step, keep the cluster up until Ctrl-C / SIGTERM
   bool bind = true;                      // pin each worker to its own share of this machine's CPUs
   ScriptOptions script;                  // script.file set: the workers run this script
+  RestartPolicy restart;                 // what the supervisor does with a process that ends on its own
+  std::vector<Fault> faults;             // --inject
+  std::optional<ChaosSpec> chaos;        // --chaos: faults drawn from a seed (after `faults`)
+};
+
+// A fault the run injected, and what came of it.
+struct InjectedFault {
+  Fault fault;            // fault.step: the step it was planned at
+  uint64_t step = 0;      // the step it came at (the first one done after `fault.step` with the cluster whole)
+  double at_seconds = 0;  // since the start of the run
+  // Seconds from the injection until the coordinator declared the target
+  // dead (a slow process: named a straggler or late; the coordinator: the
+  // supervisor saw it end), and until the cluster was whole again (every
+  // process up and in the active epoch, every partition backed up); -1:
+  // not seen (a partition ridden out in the same epoch is never detected).
+  double detected_seconds = -1;
+  double recovered_seconds = -1;
+  std::string detection;  // what was seen, in words
 };
 
 struct RunSummary {
@@ -78,7 +101,7 @@ struct RunSummary {
   std::string mode;
   uint32_t world_size = 0;  // workers in the last step's epoch
   uint64_t epochs = 0;      // distinct membership epochs that trained steps
-  uint64_t faults = 0;      // faults injected (workers killed)
+  uint64_t faults = 0;      // faults injected (--kill-worker-at, --inject, --chaos)
   uint64_t workers_added = 0;
   std::optional<uint64_t> server_steps_applied;  // updates applied, when every server agrees
   std::string server_steps_detail;               // per server, when they disagree or could not be asked
@@ -102,7 +125,11 @@ struct RunSummary {
   double analytic_bubble = 0;
   double elapsed_seconds = 0;
   std::string work_dir;
-  std::string checkpoint;  // the final checkpoint's directory, when one was written
+  std::string checkpoint;               // the final checkpoint's directory, when one was written
+  std::map<std::string, int> restarts;  // by role: coordinator, server, worker
+  std::vector<InjectedFault> injected;
+  uint64_t chaos_seed = 0;  // with --chaos
+  bool chaos = false;
 };
 
 // Runs the job; `shutdown` stops it early (the summary says interrupted).

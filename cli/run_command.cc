@@ -48,8 +48,27 @@ int RunCommand(int argc, char** argv) {
   options.String("data", &o.train.data, "text file to train on (default: the built-in corpus)");
   options.Int("seed", &o.train.seed, "seed of the model's initialisation and of the data order", 0, INT64_MAX);
   options.String("summary", &summary_file, "write the run's summary here as JSON");
-  options.Int("kill_worker_at", &o.kill_worker_at, "kill one worker with SIGKILL once this step is done (0: never)", 0,
+  options.Int("kill_worker_at", &o.kill_worker_at,
+              "kill one worker with SIGKILL for good (it is not restarted) once this step is done (0: never)", 0,
               int64_t{1} << 40);
+  options.Int("restarts", &o.restart.restarts,
+              "how many times the supervisor restarts each process that ends on its own (a worker, a server or the "
+              "coordinator killed, crashed, or declared dead by the coordinator); the run fails when one ends with "
+              "none left",
+              0, 1000);
+  options.Duration("restart_delay", &o.restart.delay,
+                   "how long after a process ended it is restarted; doubles with each of its restarts (at most 60 s)",
+                   std::chrono::milliseconds(0), std::chrono::minutes(10));
+  std::string inject, chaos;
+  options.String("inject", &inject,
+                 "failures to inject, comma-separated KIND:TARGET@STEP[/DURATION]: kill:worker-1@20 (SIGKILL), "
+                 "stop:server-0@30 (SIGSTOP: hangs), partition:node-1@40/4s (the node's link down; network "
+                 "namespaces only), slow:worker-0@50/5s (runs at a quarter of its speed); TARGET is worker-K, "
+                 "server-K or coordinator (kill only), a node for partition; each comes once its step is done and "
+                 "the cluster has recovered from the one before (docs/failures.md)");
+  options.String("chaos", &chaos,
+                 "SEED[:N]: a chaos drill of N (default 3) failures of random kinds, processes and steps drawn from "
+                 "SEED, only those the job is promised to survive; the seed is printed so a run can be replayed");
   options.Int("add_worker_at", &o.add_worker_at, "start one more worker once this step is done (0: never)", 0,
               int64_t{1} << 40);
   options.Bytes("partition_size", &o.partition_bytes, "size of one parameter-server partition", 4096, 1ull << 32);
@@ -98,6 +117,22 @@ int RunCommand(int argc, char** argv) {
   for (const auto& a : split.launcher) launcher_argv.push_back(const_cast<char*>(a.c_str()));
   if (int rc = ParseOrExit(options, static_cast<int>(launcher_argv.size()), launcher_argv.data()); rc >= 0) return rc;
   o.script.args = split.script;
+  if (!inject.empty()) {
+    auto faults = ParseFaults(inject);
+    if (!faults.ok()) {
+      fmt::print(stderr, "tandem run: {}\n", faults.status().message());
+      return 2;
+    }
+    o.faults = std::move(*faults);
+  }
+  if (!chaos.empty()) {
+    auto spec = ParseChaos(chaos);
+    if (!spec.ok()) {
+      fmt::print(stderr, "tandem run: {}\n", spec.status().message());
+      return 2;
+    }
+    o.chaos = *spec;
+  }
   if (Status s = CheckScriptOptions(o, split.launcher, split.separator); !s.ok()) {
     fmt::print(stderr, "tandem run: {}\n", s.message());
     return 2;
@@ -125,6 +160,21 @@ int RunCommand(int argc, char** argv) {
       s.tokens_per_second, s.step_seconds_median * 1e3, s.exposed_fraction * 100);
   fmt::print("  membership epochs {}, faults injected {}, workers added {}, final world size {}\n", s.epochs, s.faults,
              s.workers_added, s.world_size);
+  int restarts = 0;
+  std::string by_role;
+  for (const auto& [role, n] : s.restarts) {
+    restarts += n;
+    if (n > 0) by_role += fmt::format("{}{} {}", by_role.empty() ? "" : ", ", n, role);
+  }
+  if (restarts > 0) fmt::print("  processes restarted: {} ({})\n", restarts, by_role);
+  for (const InjectedFault& f : s.injected) {
+    fmt::print("  {} at step {}: {}{}\n", FormatFault(f.fault), f.step,
+               f.detected_seconds >= 0 ? fmt::format("detected in {:.1f} s ({}), ", f.detected_seconds, f.detection)
+                                       : (f.detection.empty() ? std::string("not detected") : f.detection) + ", ",
+               f.recovered_seconds >= 0 ? fmt::format("whole again after {:.1f} s", f.recovered_seconds)
+                                        : std::string("not recovered when the run ended"));
+  }
+  if (s.chaos) fmt::print("  chaos seed {} (replay with --chaos {})\n", s.chaos_seed, s.chaos_seed);
   if (s.peak_rss_bytes > 0) {
     fmt::print(
         "  peak resident memory of a worker: {:.1f} MiB; rank 0's parameters ({} placement): {:.1f} MiB at most\n",

@@ -41,108 +41,10 @@
 #include "common/process.h"
 #include "launch_util.h"
 #include "test_util.h"
+#include "train_run_util.h"
 
 namespace tandem {
 namespace {
-
-using testing::BinDir;
-using testing::ReadFile;
-using testing::RunCommand;
-
-constexpr double kLr = 3e-3;  // the trainer's default
-
-const std::vector<std::string>& Model() {
-  static const std::vector<std::string> m = {"--train-layers",       "2", "--train-d-model", "32",
-                                             "--train-heads",        "2", "--train-context", "16",
-                                             "--train-global-batch", "8"};
-  return m;
-}
-
-struct Outcome {
-  std::string output;
-  bool ok = false;
-  YAML::Node summary;
-  std::vector<float> params;
-  std::string work_dir;
-};
-
-std::vector<float> ReadParams(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<float> p;
-  float v;
-  while (in.read(reinterpret_cast<char*>(&v), sizeof v)) p.push_back(v);
-  return p;
-}
-
-// `prefix` goes before the binary (for example /usr/bin/env and a variable).
-Outcome Invoke(const testing::TempDir& dir, const std::string& name, std::vector<std::string> args,
-               std::vector<std::string> prefix = {}) {
-  Outcome o;
-  const std::string summary = dir.path() + "/" + name + ".json";
-  std::vector<std::string> argv = std::move(prefix);
-  argv.push_back(BinDir() + "/tandem");
-  argv.insert(argv.end(), args.begin(), args.end());
-  argv.insert(argv.end(), Model().begin(), Model().end());
-  argv.insert(argv.end(), {"--summary", summary});
-  const bool run = args.front() == "run";
-  if (run) argv.insert(argv.end(), {"--work-dir", dir.path() + "/" + name, "--timeout", "100s"});
-  if (!run) argv.insert(argv.end(), {"--train-params-out", dir.path() + "/" + name + ".params"});
-  auto r = RunCommand(argv, std::chrono::seconds(110));
-  o.output = r.output;
-  o.ok = r.exit.success();
-  try {
-    o.summary = YAML::LoadFile(summary);
-  } catch (const std::exception& e) {
-    o.output += std::string("\n[no summary: ") + e.what() + "]";
-    o.ok = false;
-  }
-  o.work_dir = dir.path() + "/" + name;
-  o.params = ReadParams(run ? o.work_dir + "/params.bin" : dir.path() + "/" + name + ".params");
-  return o;
-}
-
-// The servers' update count; -1 when they disagree or could not be asked
-// (the run's output then says which server had what).
-int Applied(const YAML::Node& summary) {
-  const YAML::Node n = summary["server_steps_applied"];
-  return n && !n.IsNull() ? n.as<int>() : -1;
-}
-
-// Parameters and loss curves within the bounds above.
-void ExpectSameTraining(const Outcome& a, const Outcome& b, const std::string& optimizer) {
-  ASSERT_EQ(a.params.size(), b.params.size());
-  ASSERT_FALSE(a.params.empty());
-  double max_diff = 0, sum_diff = 0;
-  for (size_t i = 0; i < a.params.size(); ++i) {
-    const double d = std::fabs(static_cast<double>(a.params[i]) - b.params[i]);
-    max_diff = std::max(max_diff, d);
-    sum_diff += d;
-  }
-  const double mean_diff = sum_diff / static_cast<double>(a.params.size());
-  if (optimizer == "sgd") {
-    EXPECT_LT(max_diff, 1e-6);
-  } else {
-    EXPECT_LT(max_diff, 0.01 * kLr);
-    EXPECT_LT(mean_diff, 1e-4 * kLr);
-  }
-  // A step that completed on the servers while rank 0 lost its result has
-  // no loss (null).
-  const auto losses = [](const YAML::Node& list) {
-    std::vector<double> v;
-    for (const auto& x : list) v.push_back(x.IsNull() ? std::nan("") : x.as<double>());
-    return v;
-  };
-  const auto la = losses(a.summary["losses"]);
-  const auto lb = losses(b.summary["losses"]);
-  ASSERT_EQ(la.size(), lb.size());
-  int compared = 0;
-  for (size_t i = 0; i < la.size(); ++i) {
-    if (std::isnan(la[i]) || std::isnan(lb[i])) continue;
-    EXPECT_NEAR(la[i], lb[i], 1e-4) << "step " << i + 1;
-    ++compared;
-  }
-  EXPECT_GE(compared, static_cast<int>(la.size()) - 2);
-}
 
 // The summary the tests compare: every key holds its own value (the JSON is
 // one long format string, where a missing placeholder would shift the rest).
@@ -170,7 +72,37 @@ TEST(TrainProcessTest, TheSummaryJsonHasEveryKeyWithItsOwnValue) {
   s.placement = "sharded";
   s.tensor_parallel = 2;
   s.losses = {5.5, std::nan(""), 4.25};
+  s.restarts = {{"coordinator", 2}, {"server", 1}, {"worker", 0}};
+  s.chaos = true;
+  s.chaos_seed = 77;
+  cli::InjectedFault killed;
+  killed.fault = {cli::FaultKind::kKill, "coordinator", 5, {}};
+  killed.step = 6;
+  killed.at_seconds = 1.5;
+  killed.detected_seconds = 0.25;
+  killed.recovered_seconds = 2.5;
+  killed.detection = "the supervisor saw it end";
+  cli::InjectedFault cut;
+  cut.fault = {cli::FaultKind::kPartition, "node-1", 9, std::chrono::milliseconds(1500)};
+  cut.step = 9;
+  cut.recovered_seconds = 1.75;
+  cut.detection = "ridden out in the same epoch";
+  s.injected = {killed, cut};
   const YAML::Node y = YAML::Load(cli::SummaryJson(s));
+  EXPECT_EQ(y["restarts"]["coordinator"].as<int>(), 2);
+  EXPECT_EQ(y["restarts"]["server"].as<int>(), 1);
+  EXPECT_EQ(y["chaos_seed"].as<int>(), 77);
+  ASSERT_EQ(y["injected"].size(), 2u);
+  EXPECT_EQ(y["injected"][0]["kind"].as<std::string>(), "kill");
+  EXPECT_EQ(y["injected"][0]["process"].as<std::string>(), "coordinator");
+  EXPECT_EQ(y["injected"][0]["step"].as<int>(), 6);
+  EXPECT_EQ(y["injected"][0]["planned_step"].as<int>(), 5);
+  EXPECT_DOUBLE_EQ(y["injected"][0]["detected_seconds"].as<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(y["injected"][0]["recovered_seconds"].as<double>(), 2.5);
+  EXPECT_EQ(y["injected"][0]["detection"].as<std::string>(), "the supervisor saw it end");
+  EXPECT_EQ(y["injected"][1]["kind"].as<std::string>(), "partition");
+  EXPECT_DOUBLE_EQ(y["injected"][1]["duration_seconds"].as<double>(), 1.5);
+  EXPECT_TRUE(y["injected"][1]["detected_seconds"].IsNull());
   EXPECT_TRUE(y["completed"].as<bool>());
   EXPECT_EQ(y["steps"].as<int>(), 3);
   EXPECT_EQ(y["mode"].as<std::string>(), "hybrid");

@@ -242,12 +242,15 @@ class ElasticTest(unittest.TestCase):
 
 class FailingScriptTest(unittest.TestCase):
     def test_a_script_that_raises_fails_the_run_naming_it(self):
+        # Without restarts (the supervisor would otherwise start it again):
+        # the run fails at once, naming the worker, its rank and its exception.
         work = tempfile.mkdtemp(prefix="tandem-torch-fail-")
-        p, summary = run_cluster(work, ["--fail-at", "3"], steps=6)
+        p, summary = run_cluster(work, ["--fail-at", "3"], steps=6, extra=("--restarts", "0"))
         self.assertNotEqual(p.returncode, 0)
         text = p.stdout + p.stderr
         self.assertIn("ValueError: the test script fails at step 3 on purpose", text)
         self.assertIn("rank 1", text)
+        self.assertIn("has no restarts left (0 used, --restarts 0)", text)
 
 
 if __name__ == "__main__":
