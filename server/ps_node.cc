@@ -39,7 +39,9 @@ void DeclareServerOptions(OptionSet& options, ServerConfig* config) {
   options.String("server.ucx_tls", &config->ucx_tls,
                  "UCX transports for pushes and pulls (UCX_TLS syntax, e.g. \"tcp\" or \"^cma\"; empty: all)");
   options.String("server.ucx_net_devices", &config->ucx_net_devices,
-                 "UCX network devices (e.g. \"eth0\", \"mlx5_0:1\"; empty: all)");
+                 "UCX network devices: auto (the interface that carries the listen address, with its RDMA ports; "
+                 "all when that address is a wildcard or on no interface), all, or names (e.g. \"eth0\", "
+                 "\"mlx5_0:1\")");
 }
 
 // ---------------------------------------------------------------------------

@@ -46,7 +46,7 @@ struct ServerConfig {
   std::chrono::milliseconds timeout{30000};        // building an epoch's group
   std::chrono::milliseconds save_timeout{600000};  // longest wait for a checkpoint's step
   std::string ucx_tls;                             // UCX transports (UCX_TLS syntax); empty: all
-  std::string ucx_net_devices;                     // UCX network devices; empty: all
+  std::string ucx_net_devices = "auto";            // UCX network devices (ucx/net_device.h)
 };
 
 void DeclareServerOptions(OptionSet& options, ServerConfig* config);

@@ -1,6 +1,7 @@
 #include "server/server_daemon.h"
 
 #include "common/member_daemon.h"
+#include "common/transport/ucx/net_device.h"
 #include "common/transport/ucx_transport.h"
 #include "server/ps_node.h"
 
@@ -33,6 +34,9 @@ DaemonSpec MakeDaemonSpec() {
   spec.setup = [state](Daemon& daemon) -> Status {
     transport::UcxOptions ucx;
     ucx.tls = state->config.ucx_tls;
+    // auto: the interface that carries the listen address, resolved once here.
+    state->config.ucx_net_devices = transport::ucx::ResolveNetDevices(
+        state->config.ucx_net_devices, daemon.config().listen_address, ucx.tls, "server.ucx_net_devices");
     ucx.net_devices = state->config.ucx_net_devices;
     TANDEM_RETURN_IF_ERROR(transport::CheckUcxOptions(ucx).WithContext("server.ucx_tls and server.ucx_net_devices"));
     state->node = std::make_unique<PsNode>(state->config, daemon);

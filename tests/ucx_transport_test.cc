@@ -36,6 +36,7 @@
 #include <gtest/gtest.h>
 
 #include "common/process.h"
+#include "common/transport/ucx/net_device.h"
 #include "tests/test_util.h"
 #include "tests/transport_suite.h"
 #include "worker/collectives/collectives.h"
@@ -84,6 +85,7 @@ TEST(UcxOptionsTest, BadOptionsNameTheOption) {
       {[](UcxOptions& o) { o.tls = "all,tcp"; }, "tls"},
       {[](UcxOptions& o) { o.net_devices = "nosuchdev0"; }, "net_devices"},
       {[](UcxOptions& o) { o.net_devices = "lo;rm"; }, "net_devices"},
+      {[](UcxOptions& o) { o.net_devices = "auto"; }, "net_devices"},  // the daemons resolve it
       {[](UcxOptions& o) { o.liveness_interval = milliseconds(0); }, "liveness_interval"},
       {[](UcxOptions& o) { o.keepalive_interval = milliseconds(1); }, "keepalive_interval"},
       {[](UcxOptions& o) { o.abandon_timeout = milliseconds(0); }, "abandon_timeout"},
@@ -99,6 +101,101 @@ TEST(UcxOptionsTest, BadOptionsNameTheOption) {
     EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument) << t.status().ToString();
     EXPECT_EQ(t.status().message().rfind(c.option, 0), 0u) << t.status().ToString();
   }
+}
+
+// The daemons' default net devices: the interface that carries the listen
+// address (ucx/net_device.h).
+TEST(UcxNetDeviceTest, InterfaceCarryingAnAddress) {
+  using ucx::InterfaceCarrying;
+  EXPECT_EQ(InterfaceCarrying("127.0.0.1"), "lo");
+  EXPECT_EQ(InterfaceCarrying("127.0.0.2"), "lo");  // all of 127/8 is routed to lo
+  EXPECT_EQ(InterfaceCarrying("::ffff:127.0.0.1"), "lo");
+  if (!InterfaceCarrying("::1").empty()) {  // unless IPv6 is off
+    EXPECT_EQ(InterfaceCarrying("::1"), "lo");
+  }
+  EXPECT_EQ(InterfaceCarrying("203.0.113.77"), "");  // TEST-NET-3: on no interface
+  EXPECT_EQ(InterfaceCarrying("2001:db8::77"), "");
+  EXPECT_EQ(InterfaceCarrying("0.0.0.0"), "");
+  EXPECT_EQ(InterfaceCarrying("localhost"), "");  // numeric addresses only
+  EXPECT_EQ(InterfaceCarrying(""), "");
+}
+
+TEST(UcxNetDeviceTest, AutoChoosesTheInterfaceOfTheListenAddress) {
+  testing::TempDir sysfs;  // no RDMA devices
+  for (const std::string setting : {"auto", "", " auto "}) {
+    const auto c = ucx::ChooseNetDevices(setting, "127.0.0.1", "", sysfs.path());
+    EXPECT_EQ(c.devices, "lo") << setting;
+    EXPECT_FALSE(c.fallback);
+    EXPECT_NE(c.why.find("lo carries the listen address 127.0.0.1"), std::string::npos) << c.why;
+  }
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "localhost", "", sysfs.path()).devices, "lo");  // a name is resolved
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "tcp", sysfs.path()).devices, "lo");
+  EXPECT_EQ(ucx::ResolveNetDevices("auto", "127.0.0.1:0", "", "test.ucx_net_devices"), "lo");
+  // Given devices, and all, stay as they are.
+  for (const std::string setting : {"all", "eth0", "mlx5_0:1,mlx5_1:1"}) {
+    const auto c = ucx::ChooseNetDevices(setting, "127.0.0.1", "", sysfs.path());
+    EXPECT_EQ(c.devices, setting);
+    EXPECT_FALSE(c.fallback);
+  }
+}
+
+TEST(UcxNetDeviceTest, WildcardsAndAddressesOnNoInterfaceFallBackToAll) {
+  for (const std::string host : {"0.0.0.0", "::", "::ffff:0.0.0.0"}) {
+    const auto c = ucx::ChooseNetDevices("auto", host);
+    EXPECT_EQ(c.devices, "all") << host;
+    EXPECT_TRUE(c.fallback);
+    EXPECT_FALSE(c.warn);  // the daemons' default listen address: said at info
+    EXPECT_NE(c.why.find("wildcard"), std::string::npos) << c.why;
+  }
+  EXPECT_EQ(ucx::ResolveNetDevices("auto", "[::]:7600", "", "test.ucx_net_devices"), "all");
+  EXPECT_EQ(ucx::ResolveNetDevices("", "0.0.0.0:7600", "", "test.ucx_net_devices"), "all");
+  for (const std::string host : {"203.0.113.77", "2001:db8::77", "no-such-host.invalid"}) {
+    const auto c = ucx::ChooseNetDevices("auto", host);
+    EXPECT_EQ(c.devices, "all") << host;
+    EXPECT_TRUE(c.fallback);
+    EXPECT_TRUE(c.warn);
+    EXPECT_NE(c.why.find(host), std::string::npos) << c.why;
+  }
+}
+
+// A sysfs of RDMA devices: RoCE ports with GIDs on interfaces, an IPoIB
+// interface, ports that are down.
+TEST(UcxNetDeviceTest, RdmaPortsBoundToTheInterfaceJoinIt) {
+  testing::TempDir sysfs;
+  namespace fs = std::filesystem;
+  auto port = [&](const std::string& dev, int p, const std::string& state, const std::vector<std::string>& ndevs) {
+    const fs::path dir = fs::path(sysfs.path()) / "class/infiniband" / dev / "ports" / std::to_string(p);
+    fs::create_directories(dir / "gid_attrs/ndevs");
+    std::ofstream(dir / "state") << state << "\n";
+    for (size_t i = 0; i < ndevs.size(); ++i) std::ofstream(dir / "gid_attrs/ndevs" / std::to_string(i)) << ndevs[i];
+  };
+  port("mlx5_0", 1, "4: ACTIVE", {"lo", "lo"});
+  port("mlx5_1", 1, "1: DOWN", {"lo"});
+  port("mlx5_2", 1, "4: ACTIVE", {"eth8"});
+  port("mlx5_3", 1, "4: ACTIVE", {});
+  port("mlx5_3", 2, "4: ACTIVE", {});
+  const fs::path ib0 = fs::path(sysfs.path()) / "class/net/ib0";
+  fs::create_directories(ib0 / "device/infiniband/mlx5_3");
+  std::ofstream(ib0 / "type") << "32\n";
+  std::ofstream(ib0 / "dev_port") << "1\n";  // port 2
+
+  EXPECT_EQ(ucx::RdmaPortsOf("lo", sysfs.path()), std::vector<std::string>{"mlx5_0:1"});
+  EXPECT_EQ(ucx::RdmaPortsOf("eth8", sysfs.path()), std::vector<std::string>{"mlx5_2:1"});
+  EXPECT_EQ(ucx::RdmaPortsOf("ib0", sysfs.path()), std::vector<std::string>{"mlx5_3:2"});
+  EXPECT_TRUE(ucx::RdmaPortsOf("eth9", sysfs.path()).empty());
+
+  // Only the devices the transports can use: UCX warns of a named device
+  // that none of them opens.
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "", sysfs.path()).devices, "lo,mlx5_0:1");
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "rc,sm", sysfs.path()).devices, "mlx5_0:1");
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "tcp", sysfs.path()).devices, "lo");
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "^ib", sysfs.path()).devices, "lo");
+  EXPECT_EQ(ucx::ChooseNetDevices("auto", "127.0.0.1", "^cma", sysfs.path()).devices, "lo,mlx5_0:1");
+  // Verbs only, and no port on the interface: all devices, with a warning.
+  testing::TempDir none;
+  const auto c = ucx::ChooseNetDevices("auto", "127.0.0.1", "rc", none.path());
+  EXPECT_EQ(c.devices, "all");
+  EXPECT_TRUE(c.warn);
 }
 
 TEST(UcxConnectTest, ChecksArgumentsAndAddresses) {

@@ -34,8 +34,9 @@ void DeclareDataPlaneOptions(OptionSet& options, DataPlaneConfig* config) {
                  "UCX transports for collectives across nodes and for pushes and pulls (UCX_TLS syntax, e.g. "
                  "\"rc,sm\" or \"^cma\"; empty: UCX chooses)");
   options.String("data_plane.ucx_net_devices", &config->backend_options.ucx.net_devices,
-                 "UCX network devices for collectives across nodes and for pushes and pulls (e.g. \"eth0\", "
-                 "\"mlx5_0:1\"; empty: all)");
+                 "UCX network devices for collectives across nodes and for pushes and pulls: auto (the interface "
+                 "that carries the listen address, with its RDMA ports; all when that address is a wildcard or on "
+                 "no interface), all, or names (e.g. \"eth0\", \"mlx5_0:1\")");
   auto& shm = config->backend_options.shm;
   options.Bytes("data_plane.shm.round_bytes", &shm.round_bytes,
                 "shared memory: staging bytes per rank and round of a large collective", 4096, 1ULL << 30);

@@ -49,7 +49,13 @@ struct DataPlaneConfig {
   std::string backend = "auto";              // auto | shm | ucx | off
   std::chrono::milliseconds timeout{30000};  // longest wait on a peer, building included
   bool self_check = true;                    // barrier + allreduce on every new world communicator
-  comm::BackendOptions backend_options;
+  // backend_options.ucx.net_devices starts as "auto": the worker daemon
+  // resolves it from its listen address (common/transport/ucx/net_device.h).
+  comm::BackendOptions backend_options = [] {
+    comm::BackendOptions o;
+    o.ucx.net_devices = "auto";
+    return o;
+  }();
 };
 
 void DeclareDataPlaneOptions(OptionSet& options, DataPlaneConfig* config);

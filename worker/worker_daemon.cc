@@ -8,6 +8,7 @@
 
 #include "common/cpus.h"
 #include "common/member_daemon.h"
+#include "common/transport/ucx/net_device.h"
 #include "common/transport/ucx_transport.h"
 #include "worker/data_plane.h"
 #include "worker/nccl/gpu_info.h"
@@ -52,6 +53,10 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
       spdlog::info("running on CPUs {}", FormatCpuList(*cpus));
     }
     const bool training = loop != nullptr || state->train.steps > 0;
+    // auto: the interface that carries the listen address, resolved once here.
+    auto& ucx = state->config.backend_options.ucx;
+    ucx.net_devices = transport::ucx::ResolveNetDevices(ucx.net_devices, daemon.config().listen_address, ucx.tls,
+                                                        "data_plane.ucx_net_devices");
     TANDEM_RETURN_IF_ERROR(transport::CheckUcxOptions(state->config.backend_options.ucx)
                                .WithContext("data_plane.ucx_tls and data_plane.ucx_net_devices"));
     if (training) {

@@ -170,7 +170,10 @@ struct UcxOptions {
   // names give INVALID_ARGUMENT.
   std::string tls;
   // Network devices (UCX_NET_DEVICES), comma-separated: "lo", "eth0",
-  // "mlx5_0:1"; empty: all. A device this host lacks gives INVALID_ARGUMENT.
+  // "mlx5_0:1"; empty or "all": all. A device this host lacks gives
+  // INVALID_ARGUMENT. The daemons' default, "auto" (the interface that carries
+  // the listen address), is resolved before it gets here
+  // (common/transport/ucx/net_device.h).
   std::string net_devices;
   // Copy through posix/sysv shared memory rather than single-copy cma (see
   // the figures above).

@@ -134,6 +134,11 @@ Result<TlsPlan> PlanTls(const std::string& tls, bool prefer_copy_shm) {
 
 Status CheckNetDevices(const std::string& devices) {
   if (devices.empty() || devices == "all") return Status::Ok();
+  if (Trim(devices) == "auto") {
+    return InvalidArgument(
+        "net_devices: 'auto' is for the daemons to resolve from their listen address "
+        "(ResolveNetDevices); a transport takes device names or 'all'");
+  }
   std::vector<std::string> have;
   if (struct if_nameindex* list = if_nameindex(); list != nullptr) {
     for (auto* i = list; i->if_index != 0; ++i) have.emplace_back(i->if_name);
