@@ -211,7 +211,9 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
     return 0;
   }
   shutdown.Wait();
-  return (*running)->Shutdown().ok() ? 0 : 1;
+  const Status ended = (*running)->Shutdown();
+  if (ended.ok()) return 0;
+  return ended.code() == StatusCode::kDataLoss ? kExitCannotGoOn : 1;
 }
 
 }  // namespace tandem

@@ -140,8 +140,16 @@ class RunningDaemon {
   bool stopped_ = false;
 };
 
+// The exit status of a daemon that stopped because the job cannot go on
+// (its failure is DATA_LOSS: partitions lost both copies with no checkpoint
+// to restore, a corrupt checkpoint): restarting it would not help, so
+// `tandem run`'s supervisor does not, and a Kubernetes podFailurePolicy can
+// match it. Other failures exit 1 (2: bad flags or configuration).
+inline constexpr int kExitCannotGoOn = 3;
+
 // main() of a daemon: RunningDaemon::Start, then waits for SIGTERM or SIGINT
-// (or RequestShutdown) and shuts down. Returns the exit code.
+// (or RequestShutdown) and shuts down. Returns the exit code: 0 after a clean
+// stop, kExitCannotGoOn, or 1 after another failure.
 int RunDaemon(int argc, char** argv, const DaemonSpec& spec);
 
 }  // namespace tandem

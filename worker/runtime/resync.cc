@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <filesystem>
 #include <iterator>
+#include <regex>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -164,6 +166,14 @@ Status Runtime::ServerStep::InitializeServers(const DataPlane::EpochView& view) 
   if (*initialized > 0) {
     spdlog::info("initialised {} partitions on the parameter servers{}", *initialized,
                  rt_.options_.resume_from.empty() ? "" : " from checkpoint " + rt_.options_.resume_from);
+    if (view.epoch.start_step() > 0) {
+      // The job trained, yet these partitions had no state on any server:
+      // both their copies were lost, and the values just given are not
+      // the job's.
+      recreated_ = true;
+      spdlog::error("epoch {}: {} partition(s) had lost both their primary and their backup (the job is past step {})",
+                    view.epoch.epoch(), *initialized, view.epoch.start_step());
+    }
   }
   rt_.servers_initialized_ = true;
   return Status::Ok();
@@ -198,7 +208,25 @@ Status Runtime::ServerStep::Resync(const DataPlane::EpochView& view) {
     return Status::Ok();
   }
   auto steps = rt_.PullStage(map, 0, nullptr);
+  if (!steps.ok() && steps.status().code() == StatusCode::kFailedPrecondition &&
+      steps.status().message().find("has not been initialised") != std::string::npos) {
+    // A server came back empty (restarted): initialise it, which finds
+    // out whether partitions it now holds lost both copies.
+    rt_.servers_initialized_ = false;
+    TANDEM_RETURN_IF_ERROR(InitializeServers(view));
+    steps = rt_.PullStage(map, 0, nullptr);
+  }
   if (!steps.ok()) return steps.status();
+  int64_t recreated = recreated_ ? 1 : 0;
+  int64_t any_recreated = 0;
+  recreated_ = false;
+  TANDEM_RETURN_IF_ERROR(rt_.world_->AllReduce(&recreated, &any_recreated, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                             .WithContext("agreeing on whether partitions were lost"));
+  if (any_recreated != 0) {
+    TANDEM_RETURN_IF_ERROR(RollBack(view));
+    steps = rt_.PullStage(map, 0, nullptr);
+    if (!steps.ok()) return steps.status().WithContext("pulling the parameters after the rollback");
+  }
   int64_t mine = 0;
   for (int64_t step : *steps) {
     if (step != INT64_MAX) mine = std::max(mine, step);
@@ -251,6 +279,79 @@ Status Runtime::ServerStep::Resync(const DataPlane::EpochView& view) {
     }
   }
   rt_.completed_ = static_cast<uint64_t>(agreed);
+  return Status::Ok();
+}
+
+namespace {
+
+// The checkpoints in `dir` the runtime writes (step-NNNNNNNNNN), newest
+// first: (step, path).
+std::vector<std::pair<uint64_t, std::string>> CheckpointsNewestFirst(const std::string& dir) {
+  static const std::regex kName(R"(step-(\d{1,19}))");
+  std::vector<std::pair<uint64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    std::smatch m;
+    const std::string name = entry.path().filename().string();
+    if (entry.is_directory(ec) && std::regex_match(name, m, kName)) {
+      found.emplace_back(std::stoull(m[1].str()), entry.path().string());
+    }
+  }
+  std::sort(found.begin(), found.end(), std::greater<>());
+  return found;
+}
+
+}  // namespace
+
+Status Runtime::ServerStep::RollBack(const DataPlane::EpochView& view) {
+  // Global rank 0 restores every server of the epoch (primaries and
+  // backups) from the newest checkpoint that restores; the others learn
+  // its step. A checkpoint that is incomplete (a save cut short) is refused
+  // by the servers, and the one before it is tried.
+  PsClient* ps = rt_.plane_.ps_client();
+  const std::string& dir = rt_.options_.checkpoint_dir;
+  // The last step any rank completed (a rank restarted since knows none:
+  // the epoch's start step then says how far the job had come).
+  int64_t mine = static_cast<int64_t>(rt_.completed_), from = 0;
+  TANDEM_RETURN_IF_ERROR(rt_.world_->AllReduce(&mine, &from, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                             .WithContext("agreeing on the last step before the rollback"));
+  from = std::max<int64_t>(from, static_cast<int64_t>(view.epoch.start_step()));
+  int64_t restored = -1;  // the checkpoint's step; -1: none restored
+  std::string path;
+  if (rt_.world_->rank() == 0 && !dir.empty()) {
+    for (const auto& [step, candidate] : CheckpointsNewestFirst(dir)) {
+      // One past the job's progress is another run's, not this one's.
+      if (static_cast<int64_t>(step) > from) continue;
+      Status s = ps->RestoreCheckpoint(candidate, /*skip_optimizer_state=*/false);
+      if (s.ok()) {
+        restored = static_cast<int64_t>(step);
+        path = candidate;
+        break;
+      }
+      spdlog::warn("epoch {}: checkpoint {} does not restore the job: {}", view.epoch.epoch(), candidate, s.ToString());
+    }
+  }
+  int64_t agreed = -1;
+  TANDEM_RETURN_IF_ERROR(rt_.world_->AllReduce(&restored, &agreed, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                             .WithContext("agreeing on the checkpoint restored"));
+  if (agreed < 0) {
+    return DataLoss(
+        "partitions lost both their primary and their backup (the servers holding both copies died together) "
+        "after step {}, and {}: the job cannot go on",
+        from,
+        dir.empty() ? std::string("train.checkpoint_dir is not set, so there is no checkpoint to restore them from")
+                    : fmt::format("no checkpoint in train.checkpoint_dir {} restores them{}", dir,
+                                  rt_.world_->rank() == 0 ? "" : " (see global rank 0's log)"));
+  }
+  Rollback r;
+  r.from = static_cast<uint64_t>(from);
+  r.to = static_cast<uint64_t>(agreed);
+  r.checkpoint = path;
+  spdlog::warn(
+      "epoch {}: rolled the job back from step {} to checkpoint step {}{}: partitions had lost both copies; steps {} "
+      "to {} are trained again",
+      view.epoch.epoch(), r.from, r.to, path.empty() ? "" : " (" + path + ")", r.to + 1, r.from);
+  rt_.rollback_ = std::move(r);
   return Status::Ok();
 }
 

@@ -168,6 +168,14 @@ struct RuntimeOptions {
   // their filesystem) instead of the model's initial values; the first
   // step is the one after the checkpoint's.
   std::string resume_from;
+  // Server modes: where the job's checkpoints are (train.checkpoint_dir,
+  // absolute; listed on this worker's filesystem, read by the servers on
+  // theirs). When partitions lose both their primary and their backup (the
+  // servers holding both died together), the synchronous modes roll the
+  // whole job back to the newest checkpoint in it that restores (every
+  // server's partitions, and the workers resume after its step). Empty: such
+  // a loss ends training with an error saying so.
+  std::string checkpoint_dir;
   // Server modes: how the servers apply pushes. SYNC (the default): every
   // step whole, once every contributor pushed it. ASYNC and
   // BOUNDED_STALENESS: each push on arrival; the workers of a data-parallel
@@ -373,6 +381,19 @@ class Runtime {
 
   // Steps completed (the servers', after a resync).
   uint64_t completed_steps() const { return completed_; }
+  // A rollback to a checkpoint (see RuntimeOptions::checkpoint_dir) since
+  // the last call: the last step completed before it (`from`) and the
+  // checkpoint's step (`to`); the steps after `to` are trained again.
+  struct Rollback {
+    uint64_t from = 0;
+    uint64_t to = 0;
+    std::string checkpoint;
+  };
+  std::optional<Rollback> TakeRollback() {
+    auto r = std::move(rollback_);
+    rollback_.reset();
+    return r;
+  }
   // Server modes: has every parameter server save the state after `step`
   // into directory/step-<step>; returns once each has taken its copy (the
   // files are written meanwhile: WaitForCheckpoint). Call it on one worker,
@@ -480,6 +501,7 @@ class Runtime {
   uint64_t paused_epoch_ = 0;  // the last paused epoch announced in the log
   Status last_failure_;
   uint64_t completed_ = 0;
+  std::optional<Rollback> rollback_;  // ServerStep::RollBack's, until TakeRollback
   std::shared_ptr<const DataPlane::EpochView> view_;
   std::shared_ptr<comm::Communicator> world_;
   std::shared_ptr<comm::Communicator> node_;      // the node's workers of this part ("node", or "node-dp")

@@ -146,6 +146,10 @@ class Runtime::ServerStep : public StepStrategy {
  private:
   // Initialises the servers with the stage's range (once per bound stage).
   Status InitializeServers(const DataPlane::EpochView& view);
+  // Partitions lost both copies (recreated_ here, or on another rank): rolls
+  // every server back to the newest checkpoint that restores, or fails
+  // (DATA_LOSS) when there is none.
+  Status RollBack(const DataPlane::EpochView& view);
   // Posts every pull of the step (RunBucket with the first bucket, or, in
   // the asynchronous modes, once the pushes are applied).
   void PostPulls();
@@ -159,6 +163,10 @@ class Runtime::ServerStep : public StepStrategy {
   // (written by the communication thread).
   std::atomic<uint64_t> sent_step_{0};
   bool pulls_posted_ = false;  // this step's (RunBucket posts them with the first bucket)
+  // InitializeServers created partitions from the model's initial values
+  // after the job had trained (the epoch's start_step > 0): their state was
+  // lost with both of their servers.
+  bool recreated_ = false;
   // The reduce-scatter input and all-gather output of every bucket (one at a
   // time on the communication thread), L blocks of the largest bucket.
   std::vector<float> staging_;

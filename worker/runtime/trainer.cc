@@ -644,6 +644,7 @@ Result<RuntimeOptions> RuntimeOptionsOf(const TrainConfig& c) {
     }
   }
   r.resume_from = c.resume_from;
+  r.checkpoint_dir = c.checkpoint_dir;
   auto gw = ParseWire(c.gradient_wire, "train.gradient_wire");
   if (!gw.ok()) return gw.status();
   auto pw = ParseWire(c.parameter_wire, "train.parameter_wire");
@@ -711,6 +712,17 @@ TrainMetrics::TrainMetrics(prometheus::Registry& r)
                    .Help("Step attempts that failed (membership changes, lost peers) and were retried.")
                    .Register(r)
                    .Add({})),
+      rollbacks(prometheus::BuildCounter()
+                    .Name("tandem_train_rollbacks_total")
+                    .Help("Rollbacks of the job to a checkpoint after partitions lost both their primary and their "
+                          "backup server.")
+                    .Register(r)
+                    .Add({})),
+      steps_redone(prometheus::BuildCounter()
+                       .Name("tandem_train_steps_redone_total")
+                       .Help("Steps trained again after rollbacks to a checkpoint.")
+                       .Register(r)
+                       .Add({})),
       tokens(prometheus::BuildCounter()
                  .Name("tandem_train_tokens_total")
                  .Help("Tokens of the global batches of the steps this worker completed.")
@@ -940,6 +952,22 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     if (!plan.ok()) {
       close_progress();
       return plan.status();
+    }
+    if (auto rollback = runtime.TakeRollback()) {
+      // Every rank learns it; the epoch's rank 0 tells the progress file.
+      if (metrics) {
+        metrics->rollbacks.Increment();
+        metrics->steps_redone.Increment(static_cast<double>(rollback->from - rollback->to));
+      }
+      if (progress != nullptr && plan->rank == 0) {
+        std::fprintf(progress, "%s\n",
+                     fmt::format("{{\"rollback\":true,\"from\":{},\"to\":{},\"checkpoint\":{},\"time\":{:.6f}}}",
+                                 rollback->from, rollback->to, JsonQuote(rollback->checkpoint), WallSeconds())
+                         .c_str());
+        std::fflush(progress);
+      }
+      completed_step = rollback->to;
+      attempted_step = 0;
     }
     if (attempted_step > completed_step && plan->step > attempted_step) {
       // The step this worker attempted failed here but was applied by the

@@ -95,7 +95,9 @@ struct TrainMetrics {
   prometheus::Gauge& exposed_ratio;
   prometheus::Histogram& step_seconds;
   prometheus::Counter& steps;
-  prometheus::Counter& failures;  // step attempts that failed and were retried
+  prometheus::Counter& failures;      // step attempts that failed and were retried
+  prometheus::Counter& rollbacks;     // rollbacks to a checkpoint after partitions lost both copies
+  prometheus::Counter& steps_redone;  // steps trained again after those rollbacks
   prometheus::Counter& tokens;
   prometheus::Counter& samples;
   prometheus::Counter& comm_seconds;
