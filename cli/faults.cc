@@ -124,6 +124,16 @@ Status CheckFaults(const std::vector<Fault>& faults, const FaultSpace& space) {
       }
       continue;
     }
+    if (f.target == "servers") {
+      if (f.kind != FaultKind::kKill) return InvalidArgument("{}: all servers at once can only be killed", where);
+      if (!space.rollback) {
+        return InvalidArgument(
+            "{}: killing every server loses both copies of every partition, which only a synchronous server mode "
+            "that writes checkpoints survives (--train-checkpoint-every and --train-checkpoint-dir)",
+            where);
+      }
+      continue;
+    }
     const bool worker = Has(space.workers, f.target);
     const bool server = Has(space.servers, f.target);
     const bool coordinator = f.target == "coordinator";
@@ -182,6 +192,7 @@ std::vector<Fault> DrawChaos(const ChaosSpec& spec, const FaultSpace& space) {
     choices.push_back({FaultKind::kStop, space.servers});
   }
   choices.push_back({FaultKind::kKill, {"coordinator"}});
+  if (space.rollback) choices.push_back({FaultKind::kKill, {"servers"}});
   if (space.namespaces && space.nodes >= 2 && space.partition_loss) {
     std::vector<std::string> nodes;
     for (int k = 0; k < space.nodes; ++k) nodes.push_back(fmt::format("node-{}", k));

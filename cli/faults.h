@@ -26,8 +26,9 @@ const char* FaultKindName(FaultKind kind);
 
 struct Fault {
   FaultKind kind = FaultKind::kKill;
-  // A process ("worker-1", "server-0", "coordinator"), or for a partition a
-  // node ("node-1").
+  // A process ("worker-1", "server-0", "coordinator"), "servers" (kill
+  // only: every server at once, so partitions lose both copies), or for a
+  // partition a node ("node-1").
   std::string target;
   // Injected once this step is done and the cluster is whole again after
   // the fault before (every process up and in the job, replication whole).
@@ -59,6 +60,10 @@ struct FaultSpace {
   // Whether a partition of any one node leaves a whole job behind (at most
   // one server per node and workers on another node).
   bool partition_loss = true;
+  // Whether the job survives losing every server at once (both copies of
+  // every partition): a synchronous server mode that writes checkpoints,
+  // rolled back to the latest one.
+  bool rollback = false;
 };
 
 // Checks each fault against the cluster: its target exists, its step is

@@ -86,6 +86,13 @@ class ProgressReader {
   // (in the asynchronous modes rank 0 may skip lines of steps that others
   // completed) and the final checkpoint it names.
   bool finished() const { return finished_; }
+  // Rollbacks to a checkpoint rank 0 reported: (from, to) steps, and the checkpoint.
+  struct RolledBack {
+    uint64_t from = 0;
+    uint64_t to = 0;
+    std::string checkpoint;
+  };
+  const std::vector<RolledBack>& rollbacks() const { return rollbacks_; }
   uint64_t finished_steps() const { return finished_steps_; }
   const std::string& checkpoint() const { return checkpoint_; }
   void Poll(std::map<uint64_t, Record>* records) {
@@ -107,6 +114,10 @@ class ProgressReader {
   void Parse(std::string_view line, std::map<uint64_t, Record>* records) {
     try {
       const YAML::Node n = YAML::Load(std::string(line));
+      if (n["rollback"]) {
+        rollbacks_.push_back({n["from"].as<uint64_t>(), n["to"].as<uint64_t>(), n["checkpoint"].as<std::string>()});
+        return;
+      }
       if (n["finished"]) {
         finished_ = n["finished"].as<bool>();
         if (n["steps"]) finished_steps_ = n["steps"].as<uint64_t>();
@@ -133,6 +144,7 @@ class ProgressReader {
   }
 
   std::string path_;
+  std::vector<RolledBack> rollbacks_;
   size_t offset_ = 0;
   bool finished_ = false;
   uint64_t finished_steps_ = 0;
@@ -379,7 +391,8 @@ class LocalCluster {
     size_t index = 0;  // in summary_.injected
     Clock::time_point t0{};
     std::set<int> pids;             // the processes it hit
-    Supervised* process = nullptr;  // kill, stop, slow
+    Supervised* process = nullptr;  // kill, stop, slow of one process
+    std::vector<Supervised*> hit;   // the processes it hit (kill, stop, slow)
     int node = -1;                  // partition
     Clock::time_point ends{};       // partition, slow
     bool over = false;              // kill, stop: at once; partition, slow: at `ends`
@@ -389,6 +402,7 @@ class LocalCluster {
     Clock::time_point next_toggle{};  // slow: when to stop or continue it next
   };
   std::optional<ActiveFault> active_;
+  size_t rollbacks_seen_ = 0;
 };
 
 LocalCluster::LocalCluster(const ClusterOptions& o, ShutdownSignal& shutdown)
@@ -598,6 +612,15 @@ void LocalCluster::Follow() {
       break;
     }
     reader_->Poll(&records_);
+    while (rollbacks_seen_ < reader_->rollbacks().size()) {
+      const auto& r = reader_->rollbacks()[rollbacks_seen_++];
+      ++summary_.rollbacks;
+      summary_.steps_redone += r.from - r.to;
+      Event(
+          fmt::format("rolled the job back from step {} to checkpoint step {} ({}): partitions had lost both "
+                      "copies; {} steps are trained again",
+                      r.from, r.to, r.checkpoint, r.from - r.to));
+    }
     const uint64_t last = LastStep();
     ShowProgress(last);
     Supervise();
@@ -673,8 +696,9 @@ void LocalCluster::Supervise() {
   // on. The first one found is named: the others may have ended because of it.
   for (auto& p : supervisor_->processes()) {
     if (p->state != Supervised::State::kDown || !summary_.failure.empty()) continue;
-    summary_.failure = EndedMessage(*p, fmt::format("{} and has no restarts left ({} used, --restarts {})", p->last_end,
-                                                    p->restarts, o_.restart.restarts));
+    summary_.failure = p->final ? EndedMessage(*p, p->last_end + " (the job cannot go on)")
+                                : EndedMessage(*p, fmt::format("{} and has no restarts left ({} used, --restarts {})",
+                                                               p->last_end, p->restarts, o_.restart.restarts));
   }
 }
 
@@ -916,6 +940,11 @@ FaultSpace LocalCluster::SpaceOfFaults() const {
   // keep workers, and no two servers (maybe a partition's both copies) may
   // share the node.
   space.partition_loss = o_.tp == 1 && o_.pp == 1 && o_.nodes >= 2 && servers_ <= o_.nodes && servers_ != 1;
+  // Losing every server at once loses both copies of every partition: the
+  // synchronous modes roll back to the latest checkpoint, when there are
+  // checkpoints.
+  space.rollback = servers_ > 0 && o_.train.consistency == "sync" && o_.train.checkpoint_every > 0 &&
+                   !o_.train.checkpoint_dir.empty();
   return space;
 }
 
@@ -1027,9 +1056,21 @@ void LocalCluster::Inject(const Fault& f, uint64_t last) {
     a.ends = now + f.duration;
     what = fmt::format("cut node-{} off the others for {:.1f} s ({} processes)", a.node, Seconds(f.duration),
                        a.pids.size());
+  } else if (f.target == "servers") {
+    // Every server at once: both copies of every partition are lost, and
+    // the workers roll the job back to its latest checkpoint.
+    for (const auto& p : supervisor_->processes()) {
+      if (p->role != ProcessRole::kServer || !p->up()) continue;
+      a.pids.insert(p->pid());
+      a.hit.push_back(p.get());
+      (void)p->daemon.process->Signal(SIGKILL);
+    }
+    a.over = true;
+    what = fmt::format("killed all {} servers with SIGKILL: both copies of every partition are lost", a.hit.size());
   } else {
     Supervised* p = supervisor_->Find(f.target);
     if (p == nullptr || !p->up()) return;
+    a.hit.push_back(p);
     a.process = p;
     a.pids.insert(p->pid());
     switch (f.kind) {
@@ -1111,8 +1152,9 @@ void LocalCluster::FollowFault() {
   }
   if (!a.settled && a.over) {
     // A process that was hit must have come back as a new incarnation.
-    const bool back =
-        a.process == nullptr || f.kind == FaultKind::kSlow || (a.process->up() && a.process->pid() != *a.pids.begin());
+    const bool back = f.kind == FaultKind::kSlow || std::all_of(a.hit.begin(), a.hit.end(), [&a](const Supervised* p) {
+                        return p->up() && !a.pids.count(p->pid());
+                      });
     if (back) a.settled = now;
   }
   // Whole again, by a status the coordinator gave after that.
@@ -1171,7 +1213,8 @@ std::string SummaryJson(const RunSummary& s) {
       "  \"pipeline_schedule\": {},\n  \"pipeline_idle\": [{}],\n  \"analytic_bubble\": {},\n  \"peak_rss_bytes\": "
       "{},\n"
       "  \"worker_peak_rss_bytes\": {{{}}},\n  \"peak_parameter_bytes\": {},\n  \"placement\": {},\n"
-      "  \"tensor_parallel\": {},\n  \"restarts\": {{{}}},\n  \"chaos_seed\": {},\n  \"injected\": [{}],\n"
+      "  \"tensor_parallel\": {},\n  \"restarts\": {{{}}},\n  \"rollbacks\": {},\n  \"steps_redone\": {},\n"
+      "  \"chaos_seed\": {},\n  \"injected\": [{}],\n"
       "  \"losses\": [{}]\n}}\n",
       s.completed ? "true" : "false", s.steps, JsonNumber(s.first_loss, 7), JsonNumber(s.last_loss, 7),
       JsonNumber(s.tokens_per_second, 6), JsonQuote(s.mode), s.world_size, s.epochs, s.faults, s.workers_added,
@@ -1180,8 +1223,8 @@ std::string SummaryJson(const RunSummary& s) {
       JsonNumber(s.elapsed_seconds, 4), s.failure.empty() ? "null" : JsonQuote(s.failure), JsonQuote(s.work_dir),
       s.checkpoint.empty() ? "null" : JsonQuote(s.checkpoint), s.pipeline_stages,
       s.pipeline_schedule.empty() ? "null" : JsonQuote(s.pipeline_schedule), idle, JsonNumber(s.analytic_bubble, 4),
-      s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement), s.tensor_parallel, restarts,
-      s.chaos ? std::to_string(s.chaos_seed) : "null", injected, losses);
+      s.peak_rss_bytes, peaks, s.peak_parameter_bytes, JsonQuote(s.placement), s.tensor_parallel, restarts, s.rollbacks,
+      s.steps_redone, s.chaos ? std::to_string(s.chaos_seed) : "null", injected, losses);
 }
 
 }  // namespace tandem::cli

@@ -127,6 +127,8 @@ struct RunSummary {
   std::string work_dir;
   std::string checkpoint;               // the final checkpoint's directory, when one was written
   std::map<std::string, int> restarts;  // by role: coordinator, server, worker
+  uint64_t rollbacks = 0;               // rollbacks to a checkpoint (partitions lost both copies)
+  uint64_t steps_redone = 0;            // steps trained again after them
   std::vector<InjectedFault> injected;
   uint64_t chaos_seed = 0;  // with --chaos
   bool chaos = false;

@@ -65,7 +65,8 @@ int RunCommand(int argc, char** argv) {
                  "stop:server-0@30 (SIGSTOP: hangs), partition:node-1@40/4s (the node's link down; network "
                  "namespaces only), slow:worker-0@50/5s (runs at a quarter of its speed); TARGET is worker-K, "
                  "server-K or coordinator (kill only), a node for partition; each comes once its step is done and "
-                 "the cluster has recovered from the one before (docs/failures.md)");
+                 "the cluster has recovered from the one before; kill:servers@STEP kills every server at once (both "
+                 "copies of every partition lost: a rollback to the latest checkpoint) (docs/failures.md)");
   options.String("chaos", &chaos,
                  "SEED[:N]: a chaos drill of N (default 3) failures of random kinds, processes and steps drawn from "
                  "SEED, only those the job is promised to survive; the seed is printed so a run can be replayed");
@@ -167,6 +168,10 @@ int RunCommand(int argc, char** argv) {
     if (n > 0) by_role += fmt::format("{}{} {}", by_role.empty() ? "" : ", ", n, role);
   }
   if (restarts > 0) fmt::print("  processes restarted: {} ({})\n", restarts, by_role);
+  if (s.rollbacks > 0) {
+    fmt::print("  rolled back to a checkpoint {} time(s) (partitions lost both copies): {} steps trained again\n",
+               s.rollbacks, s.steps_redone);
+  }
   for (const InjectedFault& f : s.injected) {
     fmt::print("  {} at step {}: {}{}\n", FormatFault(f.fault), f.step,
                f.detected_seconds >= 0 ? fmt::format("detected in {:.1f} s ({}), ", f.detected_seconds, f.detection)

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "common/config.h"
+#include "common/daemon.h"
 #include "common/logging.h"
 
 namespace tandem::cli {
@@ -106,6 +107,13 @@ void Supervisor::Ended(Supervised& p, const Result<ExitInfo>& exit) {
   p.ended_at = Clock::now();
   p.last_end = exit.ok() ? DescribeExit(*exit) : exit.status().message();
   if (p.fenced) p.last_end += " (killed by the supervisor: the coordinator had declared it dead)";
+  if (exit.ok() && exit->exited && exit->code == kExitCannotGoOn) {
+    p.final = true;
+    p.state = Supervised::State::kDown;
+    event_(fmt::format("{} (pid {}) {}: the job cannot go on, and a restart would not help", p.name(), p.pid(),
+                       p.last_end));
+    return;
+  }
   if (p.restarts >= policy_.restarts) {
     p.state = Supervised::State::kDown;
     event_(fmt::format("{} (pid {}) {}; it has no restarts left ({} used): it stays down", p.name(), p.pid(),

@@ -3,7 +3,9 @@
 // Always. A process that ends on its own (a signal, a crash, an exit) is
 // started again with the same name, flags and node after a delay that
 // doubles with each of its restarts (--restart-delay, at most 60 s), at most
-// --restarts times; after that it stays down. The restarted process gets a
+// --restarts times; after that it stays down (and so does one that exits
+// with kExitCannotGoOn, common/daemon.h: the job cannot go on). The
+// restarted process gets a
 // new incarnation (its start time), so the coordinator replaces the old one
 // at once. A process that the coordinator declared dead while it still runs
 // (SIGSTOPped, wedged, cut off) is killed (Fence) and so restarted too.
@@ -59,6 +61,7 @@ struct Supervised {
   std::string last_end;  // how the last incarnation ended ("was killed by SIGKILL")
   bool fenced = false;   // the supervisor killed it: the coordinator had declared it dead
   bool stopped = false;  // SIGSTOPped on purpose (a fault), not continued yet
+  bool final = false;    // it exited with kExitCannotGoOn: not restarted
 
   const std::string& name() const { return daemon.name; }
   int pid() const { return daemon.process ? daemon.process->pid() : 0; }

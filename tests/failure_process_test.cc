@@ -15,13 +15,17 @@
 // the run lasts longer than its faults take to recover from. Label "drill":
 // the sanitizer build leaves these out (they exercise the same code as the
 // supervisor's unit tests, for minutes).
+#include <signal.h>
 #include <unistd.h>
 
 #include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include <gtest/gtest.h>
 
+#include "cli/launcher.h"
+#include "common/process.h"
 #include "train_run_util.h"
 
 namespace tandem {
@@ -104,6 +108,30 @@ TEST(FailureProcessTest, APartitionIsRiddenOutOrEvictsTheCutOffNodeWhichRejoins)
   ExpectSameTraining(local, run, "sgd");
 }
 
+// Every server killed at once: both copies of every partition are lost, and
+// the workers roll the job back to its latest checkpoint (every 20 steps)
+// and train the steps since again; the result is the failure-free one.
+TEST(FailureProcessTest, BothCopiesLostRollsTheJobBackToItsLatestCheckpoint) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "150", "--train-optimizer", "sgd"});
+  ASSERT_TRUE(local.ok) << local.output;
+  auto args = Cluster("150", "loopback");
+  args.insert(args.end(), {"--train-checkpoint-every", "20", "--train-checkpoint-dir", dir.path() + "/ckpt", "--inject",
+                           "kill:servers@50"});
+  const auto run = Invoke(dir, "rollback", args, kSlowSteps);
+  ASSERT_TRUE(run.ok) << run.output;
+  ExpectEveryFaultRecovered(run, 1);
+  EXPECT_EQ(run.summary["rollbacks"].as<int>(), 1) << run.output;
+  // Back to step 40 (or 20, if the save of 40 was skipped), from where the
+  // servers died: at least the 10 steps since 40.
+  EXPECT_GE(run.summary["steps_redone"].as<int>(), 10);
+  EXPECT_LE(run.summary["steps_redone"].as<int>(), 60);
+  EXPECT_EQ(run.summary["restarts"]["server"].as<int>(), 2);
+  EXPECT_NE(run.output.find("rolled the job back from step"), std::string::npos) << run.output;
+  EXPECT_EQ(Applied(run.summary), 150) << run.output;
+  ExpectSameTraining(local, run, "sgd");
+}
+
 // The seed comes from TANDEM_CHAOS_SEED (default 28), printed so that a
 // failure can be replayed with `tandem run --chaos SEED:4` and the same
 // cluster.
@@ -116,7 +144,9 @@ TEST(FailureProcessTest, AChaosDrillOfMixedFailuresPassesOnItsSeed) {
   const auto local = Invoke(dir, "local", {"train", "--train-steps", "250", "--train-optimizer", "sgd"});
   ASSERT_TRUE(local.ok) << local.output;
   auto args = Cluster("250", geteuid() == 0 ? "auto" : "loopback");
-  args.insert(args.end(), {"--chaos", seed + ":4"});
+  // With checkpoints, every server killed at once (a rollback) may be drawn too.
+  args.insert(args.end(), {"--chaos", seed + ":4", "--train-checkpoint-every", "25", "--train-checkpoint-dir",
+                           dir.path() + "/ckpt"});
   const auto run = Invoke(dir, "chaos", args, kSlowSteps);
   ASSERT_TRUE(run.ok) << "seed " << seed << "\n" << run.output;
   EXPECT_EQ(run.summary["chaos_seed"].as<std::string>(), seed);
@@ -137,6 +167,43 @@ TEST(FailureProcessTest, WhenTrainingCannotGoOnTheRunSaysWhyAndFails) {
                             "--restarts 0); the end of"),
             std::string::npos)
       << run.output;
+
+  // Every server killed without checkpoints: the workers exit with status 3
+  // (the job cannot go on, no restart helps) and the run says why. The test
+  // kills the servers itself (--inject refuses what the job cannot survive).
+  {
+    auto lost = Cluster("400", "loopback");
+    lost.insert(lost.begin(), BinDir() + "/tandem");
+    lost.insert(lost.begin(), kSlowSteps.begin(), kSlowSteps.end());
+    const std::string work = dir.path() + "/lost";
+    lost.insert(lost.end(), {"--work-dir", work, "--timeout", "100s"});
+    lost.insert(lost.end(), Model().begin(), Model().end());
+    SpawnOptions spawn;
+    spawn.argv = lost;
+    spawn.output_file = dir.path() + "/lost.out";
+    auto tandem = Subprocess::Spawn(spawn);
+    ASSERT_TRUE(tandem.ok());
+    // Once step 10 is done, both servers at once.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (ReadFile(work + "/progress.jsonl").find("\"step\":10,") == std::string::npos &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    for (const char* server : {"server-0", "server-1"}) {
+      auto ready = cli::ReadReadyFile(work + "/" + server + ".ready.json");
+      ASSERT_TRUE(ready.ok()) << ready.status().ToString();
+      kill(ready->pid, SIGKILL);
+    }
+    auto exit = (*tandem)->Wait(std::chrono::seconds(100));
+    const std::string out = ReadFile(dir.path() + "/lost.out");
+    ASSERT_TRUE(exit.ok()) << out;
+    EXPECT_EQ(exit->code, 1) << out;
+    EXPECT_NE(out.find("exited with status 3 (the job cannot go on)"), std::string::npos) << out;
+    EXPECT_NE(out.find("partitions lost both their primary and their backup"), std::string::npos) << out;
+    EXPECT_NE(out.find("train.checkpoint_dir is not set, so there is no checkpoint to restore them from"),
+              std::string::npos)
+        << out;
+  }
 
   // A fault the job is not promised to survive is refused before training.
   std::vector<std::string> argv = {

@@ -117,6 +117,25 @@ TEST_F(SupervisorTest, AFencedProcessIsKilledAndRestartedSayingWhy) {
   EXPECT_EQ(supervisor_.restarts().at("server"), 1);
 }
 
+TEST_F(SupervisorTest, AProcessThatSaysTheJobCannotGoOnIsNotRestarted) {
+  LaunchSpec spec = StandIn(dir_.path(), "worker-0");
+  const auto serve = spec.command;
+  spec.command = [serve](const std::vector<std::string>& flags) {
+    auto argv = serve(flags);
+    // Serve, then exit with kExitCannotGoOn instead of sleeping.
+    argv[2].replace(argv[2].find("exec sleep 60"), 13, "sleep 0.2; exit 3");
+    return argv;
+  };
+  ASSERT_TRUE(supervisor_.Launch(spec, ProcessRole::kWorker, 0).ok());
+  Supervised& p = *supervisor_.Find("worker-0");
+  ASSERT_TRUE(PollUntil([&] { return p.state == Supervised::State::kDown; })) << Events();
+  EXPECT_TRUE(p.final);
+  EXPECT_EQ(p.restarts, 0);
+  EXPECT_NE(Events().find("exited with status 3: the job cannot go on, and a restart would not help"),
+            std::string::npos)
+      << Events();
+}
+
 TEST_F(SupervisorTest, ARetiredOrVetoedProcessIsNotRestarted) {
   ASSERT_TRUE(supervisor_.Launch(StandIn(dir_.path(), "worker-0"), ProcessRole::kWorker, 0).ok());
   ASSERT_TRUE(supervisor_.Launch(StandIn(dir_.path(), "worker-1"), ProcessRole::kWorker, 0).ok());
@@ -212,6 +231,12 @@ TEST(FaultsTest, BadFaultsAreRefusedNamingWhatIsWrong) {
   one_server.server_loss = false;
   EXPECT_NE(check("kill:server-0@3", one_server).find("at least two"), std::string::npos);
   EXPECT_EQ(check("slow:worker-0@3/1s", one_server), "");  // a slow process is lost to no one
+  EXPECT_NE(check("kill:servers@3", Cluster()).find("only a synchronous server mode that writes checkpoints"),
+            std::string::npos);
+  EXPECT_NE(check("stop:servers@3", Cluster()).find("can only be killed"), std::string::npos);
+  FaultSpace checkpointed = Cluster();
+  checkpointed.rollback = true;
+  EXPECT_EQ(check("kill:servers@3", checkpointed), "");
   FaultSpace one_replica = Cluster();
   one_replica.worker_loss = false;
   EXPECT_NE(check("stop:worker-0@3", one_replica).find("losing a worker"), std::string::npos);
@@ -250,6 +275,19 @@ TEST(FaultsTest, AChaosDrillIsTheSeedsAloneAndOnlyWhatTheJobSurvives) {
   }
   EXPECT_EQ(drills.size(), 40u);
   EXPECT_EQ(kinds.size(), 4u);  // every kind is drawn
+  // With checkpoints, every server at once too (a rollback).
+  FaultSpace checkpointed = space;
+  checkpointed.rollback = true;
+  bool all_servers = false;
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    const auto drill = DrawChaos({seed, 4}, checkpointed);
+    EXPECT_TRUE(CheckFaults(drill, checkpointed).ok());
+    for (const Fault& f : drill) all_servers |= f.target == "servers";
+  }
+  EXPECT_TRUE(all_servers);
+  for (uint64_t seed = 1; seed <= 40; ++seed) {
+    for (const Fault& f : DrawChaos({seed, 4}, space)) EXPECT_NE(f.target, "servers");
+  }
 
   // Without namespaces, a second server or a second replica, those faults are not drawn.
   FaultSpace narrow = space;
