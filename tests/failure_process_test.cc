@@ -200,7 +200,7 @@ TEST(FailureProcessTest, WhenTrainingCannotGoOnTheRunSaysWhyAndFails) {
     EXPECT_EQ(exit->code, 1) << out;
     EXPECT_NE(out.find("exited with status 3 (the job cannot go on)"), std::string::npos) << out;
     EXPECT_NE(out.find("partitions lost both their primary and their backup"), std::string::npos) << out;
-    EXPECT_NE(out.find("train.checkpoint_dir is not set, so there is no checkpoint to restore them from"),
+    EXPECT_NE(out.find("no checkpoint directory is set (train.checkpoint_dir), so there is no checkpoint to restore"),
               std::string::npos)
         << out;
   }

@@ -189,6 +189,13 @@ Status Runtime::ServerStep::Resync(const DataPlane::EpochView& view) {
   // last step they applied: a step decided before the membership change is
   // complete even where its pull was cut off.
   const auto& map = view.epoch.shard_map();
+  if (rt_.asynchronous() && recreated_) {
+    // No consistent cut to roll back to: each worker's steps are its own.
+    return DataLoss(
+        "partitions lost both their primary and their backup (the servers holding both copies died together), "
+        "and the asynchronous modes do not roll back to a checkpoint: the job cannot go on (restart it with "
+        "train.resume_from)");
+  }
   if (rt_.asynchronous()) {
     // Steps are each worker's own: go on from the highest any worker
     // completed, and past the epoch's start_step, at or below which the
@@ -339,7 +346,8 @@ Status Runtime::ServerStep::RollBack(const DataPlane::EpochView& view) {
         "partitions lost both their primary and their backup (the servers holding both copies died together) "
         "after step {}, and {}: the job cannot go on",
         from,
-        dir.empty() ? std::string("train.checkpoint_dir is not set, so there is no checkpoint to restore them from")
+        dir.empty() ? std::string("no checkpoint directory is set (train.checkpoint_dir), so there is no checkpoint to "
+                                  "restore them from")
                     : fmt::format("no checkpoint in train.checkpoint_dir {} restores them{}", dir,
                                   rt_.world_->rank() == 0 ? "" : " (see global rank 0's log)"));
   }
