@@ -213,7 +213,20 @@ int RunDaemon(int argc, char** argv, const DaemonSpec& spec) {
   shutdown.Wait();
   const Status ended = (*running)->Shutdown();
   if (ended.ok()) return 0;
-  return ended.code() == StatusCode::kDataLoss ? kExitCannotGoOn : 1;
+  switch (ended.code()) {
+    // What no restart changes: state lost with nothing to restore it from,
+    // and a configuration the job refuses (a missing or foreign checkpoint,
+    // options the servers or the mesh do not accept, a bad token).
+    case StatusCode::kDataLoss:
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kPermissionDenied:
+    case StatusCode::kUnauthenticated:
+    case StatusCode::kUnimplemented:
+    case StatusCode::kOutOfRange:
+      return kExitCannotGoOn;
+    default:
+      return 1;
+  }
 }
 
 }  // namespace tandem

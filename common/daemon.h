@@ -140,11 +140,14 @@ class RunningDaemon {
   bool stopped_ = false;
 };
 
-// The exit status of a daemon that stopped because the job cannot go on
-// (its failure is DATA_LOSS: partitions lost both copies with no checkpoint
-// to restore, a corrupt checkpoint): restarting it would not help, so
-// `tandem run`'s supervisor does not, and a Kubernetes podFailurePolicy can
-// match it. Other failures exit 1 (2: bad flags or configuration).
+// The exit status of a daemon that stopped because the job cannot go on, as
+// it is: its failure is DATA_LOSS (partitions lost both copies with no
+// checkpoint to restore them, a corrupt checkpoint) or one a restart does
+// not change (INVALID_ARGUMENT, PERMISSION_DENIED, UNAUTHENTICATED,
+// UNIMPLEMENTED, OUT_OF_RANGE: a configuration the job refuses, a missing
+// checkpoint, a bad token). `tandem run`'s supervisor does not restart it,
+// and a Kubernetes podFailurePolicy can match it. Other failures exit 1
+// (2: bad flags or configuration at start-up).
 inline constexpr int kExitCannotGoOn = 3;
 
 // main() of a daemon: RunningDaemon::Start, then waits for SIGTERM or SIGINT
