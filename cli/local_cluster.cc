@@ -940,6 +940,9 @@ FaultSpace LocalCluster::SpaceOfFaults() const {
   // keep workers, and no two servers (maybe a partition's both copies) may
   // share the node.
   space.partition_loss = o_.tp == 1 && o_.pp == 1 && o_.nodes >= 2 && servers_ <= o_.nodes && servers_ != 1;
+  for (const auto& p : supervisor_->processes()) {
+    if (p->role == ProcessRole::kServer) space.server_nodes.push_back(p->node);
+  }
   // Losing every server at once loses both copies of every partition: the
   // synchronous modes roll back to the latest checkpoint, when there are
   // checkpoints.

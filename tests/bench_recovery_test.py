@@ -32,7 +32,7 @@ def summary(scale=1.0, completed=True, applied=300, partitions=True):
         injected("stop", "worker-2", 40, 2.75 * scale, 4.25 * scale, "the coordinator declared worker-2 dead"),
         injected("stop", "server-0", 50, 2.5 * scale, 3.75 * scale, "the coordinator declared server-0 dead"),
         injected("partition", "node-1", 60, None, 1.0, "ridden out in the same epoch", 1),
-        injected("partition", "node-0", 70, 2.75 * scale, 7.5 * scale,
+        injected("partition", "node-2", 70, 2.75 * scale, 7.5 * scale,
                  "the coordinator declared worker-%d dead" % (0 if scale < 1 else 1), 5),
         injected("slow", "worker-3", 80, 0.25 * scale, 3.0, "the coordinator named worker-3 a straggler", 3),
     ]
@@ -109,7 +109,7 @@ class AggregateTest(unittest.TestCase):
         self.assertEqual(rows["partition 5 s"]["note"], br.NEEDS_NETNS)
         self.assertEqual(rows["kill server"]["complete"], 1)
         self.assertNotIn("partition:", " ".join(br.command("tandem", "loopback", "s.json")))
-        self.assertIn("partition:node-0@70/5s", " ".join(br.command("tandem", "netns", "s.json")))
+        self.assertIn("partition:node-2@70/5s", " ".join(br.command("tandem", "netns", "s.json")))
 
     def test_table(self):
         lines = br.table(br.aggregate([summary(), summary(2.0)], "netns")).splitlines()
@@ -136,7 +136,7 @@ class ScriptTest(unittest.TestCase):
         self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
         argv, failpoints = args.split("\n")
         self.assertEqual(failpoints, "train.step_delay_ms=40")
-        self.assertTrue(argv.startswith("run --nodes 2 --workers-per-node 2 --servers 2 --steps 300"), argv)
+        self.assertTrue(argv.startswith("run --nodes 3 --workers-per-node 2 --servers 2 --steps 300"), argv)
         self.assertIn("--network netns --inject kill:worker-1@10,kill:server-1@20,", argv)
         self.assertEqual(p.stderr.count("# round "), 2)
         self.assertEqual(md, p.stdout)

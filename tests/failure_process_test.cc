@@ -88,9 +88,12 @@ TEST(FailureProcessTest, APartitionIsRiddenOutOrEvictsTheCutOffNodeWhichRejoins)
   testing::TempDir dir;
   const auto local = Invoke(dir, "local", {"train", "--train-steps", "150", "--train-optimizer", "sgd"});
   ASSERT_TRUE(local.ok) << local.output;
+  // Three nodes: servers on node-0 and node-1, workers only on node-2 too.
   auto args = Cluster("150", "netns");
-  // Shorter than the heartbeat deadline (3 s), then longer.
-  args.insert(args.end(), {"--inject", "partition:node-1@5/1s,partition:node-0@10/5s"});
+  args[2] = "3";  // --nodes
+  // A node with a server, shorter than the heartbeat deadline (3 s); then
+  // the node without one, longer.
+  args.insert(args.end(), {"--inject", "partition:node-1@5/1s,partition:node-2@10/5s"});
   const auto run = Invoke(dir, "partition", args, kSlowSteps);
   if (!run.ok && run.summary["network"] && run.output.find("namespace") != std::string::npos &&
       run.summary["steps"].as<int>() == 0) {
@@ -101,9 +104,10 @@ TEST(FailureProcessTest, APartitionIsRiddenOutOrEvictsTheCutOffNodeWhichRejoins)
   ExpectEveryFaultRecovered(run, 2);
   EXPECT_EQ(Detection(run, 0), "ridden out in the same epoch");
   EXPECT_NE(Detection(run, 1).find("the coordinator declared"), std::string::npos) << Detection(run, 1);
-  // Node 0's server and both its workers were evicted and came back.
-  EXPECT_EQ(run.summary["restarts"]["server"].as<int>(), 1);
+  // Node 2's two workers were evicted and came back.
+  EXPECT_EQ(run.summary["restarts"]["server"].as<int>(), 0);
   EXPECT_EQ(run.summary["restarts"]["worker"].as<int>(), 2);
+  EXPECT_EQ(run.summary["world_size"].as<int>(), 6);
   EXPECT_EQ(Applied(run.summary), 150) << run.output;
   ExpectSameTraining(local, run, "sgd");
 }

@@ -173,6 +173,7 @@ FaultSpace Cluster() {
   space.nodes = 2;
   space.namespaces = true;
   space.steps = 100;
+  space.server_nodes = {0};  // node-1 has workers only
   return space;
 }
 
@@ -223,6 +224,9 @@ TEST(FaultsTest, BadFaultsAreRefusedNamingWhatIsWrong) {
   EXPECT_NE(check("kill:worker-0@100", Cluster()).find("below --steps (100)"), std::string::npos);
   EXPECT_NE(check("partition:node-2@3/1s", Cluster()).find("node-0 .. node-1"), std::string::npos);
   EXPECT_NE(check("partition:worker-0@3/1s", Cluster()).find("a partition's target is a node"), std::string::npos);
+  // A node with a server is only cut off for less than the heartbeat deadline.
+  EXPECT_NE(check("partition:node-0@3/2s", Cluster()).find("node-0 holds a server"), std::string::npos);
+  EXPECT_EQ(check("partition:node-0@3/1500ms", Cluster()), "");
   FaultSpace loopback = Cluster();
   loopback.namespaces = false;
   EXPECT_NE(check("partition:node-1@3/1s", loopback).find("network namespaces"), std::string::npos);
@@ -260,6 +264,9 @@ TEST(FaultsTest, AChaosDrillIsTheSeedsAloneAndOnlyWhatTheJobSurvives) {
     for (const Fault& f : drill) {
       text += FormatFault(f) + ",";
       kinds.insert(f.kind);
+      if (f.kind == FaultKind::kPartition && f.target == "node-0") {
+        EXPECT_LE(f.duration, kShortPartition);
+      }
       EXPECT_GE(f.step, 10u);
       EXPECT_LE(f.step, 80u);
       EXPECT_GE(f.step, previous);
