@@ -77,6 +77,7 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
   options.endpoints = hooks.endpoints;
   options.peer_view = hooks.peer_view;
   options.collective_progress = hooks.collective_progress;
+  options.replicated_epoch = hooks.replicated_epoch;
 
   auto& up = prometheus::BuildGauge()
                  .Name("tandem_coordinator_reachable")

@@ -48,6 +48,9 @@ struct MemberHooks {
   std::function<void(uint64_t latest_epoch)> on_newer_epoch;
   // Progress in the member's communicators, for heartbeats.
   std::function<std::vector<v1::CollectiveProgress>()> collective_progress;
+  // Servers: the epoch whose backups hold their state, for heartbeats
+  // (MemberSessionOptions::replicated_epoch).
+  std::function<uint64_t()> replicated_epoch;
 };
 
 class CoordinatorLink {

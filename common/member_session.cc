@@ -302,6 +302,7 @@ void MemberSession::HeartbeatLoop() {
     if (request.member_id() != 0) {
       request.set_token(options_.token);
       request.set_step(step_);
+      if (options_.replicated_epoch) request.set_replicated_epoch(options_.replicated_epoch());
       if (options_.collective_progress) {
         constexpr size_t kMaxCollectives = 64;  // HeartbeatRequest.collectives
         for (auto& c : options_.collective_progress()) {

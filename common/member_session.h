@@ -67,6 +67,10 @@ struct MemberSessionOptions {
   // communicator of its epoch (HeartbeatRequest.collectives; entries beyond
   // the first 64 are dropped). Unset: none reported.
   std::function<std::vector<v1::CollectiveProgress>()> collective_progress;
+  // Servers: the epoch whose backups hold their state
+  // (HeartbeatRequest.replicated_epoch), read for every heartbeat; it must
+  // be cheap (an atomic load). Unset: 0.
+  std::function<uint64_t()> replicated_epoch;
   // How much of each epoch the member receives: PEER_VIEW_LOCAL (this node's
   // members and the servers) or PEER_VIEW_FULL (every member; workers whose
   // communicators span nodes need it).

@@ -1,6 +1,7 @@
 #include "coordinator/assignment.h"
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <map>
 #include <set>
@@ -373,6 +374,59 @@ Result<ShardMapChange> ReassignShardMap(const v1::ShardMap& previous, std::vecto
   }
   change.map.set_version(changed ? version : previous.version());
   return change;
+}
+
+Result<PrimaryRebalance> RebalancePrimaries(const v1::ShardMap& map, uint64_t version) {
+  TANDEM_RETURN_IF_ERROR(CheckPreviousMap(map));
+  if (version <= map.version()) {
+    return InvalidArgument("new shard map version {} must be greater than the previous version {}", version,
+                           map.version());
+  }
+  PrimaryRebalance result;
+  result.map = map;
+  // Primary counts by server, and the partitions of each (primary, backup)
+  // pair, by id.
+  std::map<uint64_t, uint64_t> primaries;
+  std::map<std::pair<uint64_t, uint64_t>, std::deque<uint32_t>> pairs;
+  for (const v1::Partition& p : map.partitions()) {
+    ++primaries[p.primary_member_id()];
+    if (p.backup_member_id() == 0) continue;
+    primaries.try_emplace(p.backup_member_id(), 0);
+    pairs[{p.primary_member_id(), p.backup_member_id()}].push_back(p.id());
+  }
+  for (;;) {
+    // The pair whose primary counts differ most (ties: in pair order).
+    const std::pair<uint64_t, uint64_t>* best = nullptr;
+    uint64_t best_gap = 1;
+    for (const auto& [pair, ids] : pairs) {
+      if (ids.empty()) continue;
+      const uint64_t from = primaries[pair.first];
+      const uint64_t to = primaries[pair.second];
+      if (from > to + best_gap) {
+        best = &pair;
+        best_gap = from - to;
+      }
+    }
+    if (best == nullptr) break;
+    const auto [from, to] = *best;
+    auto& ids = pairs[{from, to}];
+    auto& back = pairs[{to, from}];
+    const uint64_t moves = std::min<uint64_t>(ids.size(), best_gap / 2);
+    for (uint64_t k = 0; k < moves; ++k) {
+      const uint32_t id = ids.front();
+      ids.pop_front();
+      back.insert(std::upper_bound(back.begin(), back.end(), id), id);
+      v1::Partition& p = (*result.map.mutable_partitions())[static_cast<int>(id)];
+      p.set_primary_member_id(to);
+      p.set_backup_member_id(from);
+      result.swapped.push_back(id);
+    }
+    primaries[from] -= moves;
+    primaries[to] += moves;
+  }
+  std::sort(result.swapped.begin(), result.swapped.end());
+  result.map.set_version(result.swapped.empty() ? map.version() : version);
+  return result;
 }
 
 }  // namespace tandem::coordinator

@@ -179,7 +179,7 @@ struct ShardMapChange {
 //    server backups are 0 ("no backup").
 // Primaries never move otherwise, so servers that join take only backups and
 // lost partitions (they have the fewest of both); rebalancing primaries onto
-// them is a separate, deliberate step.
+// them is a separate, deliberate step (RebalancePrimaries).
 //
 // Partition boundaries, partition_size and parameter_count are unchanged.
 // The map's version is `version` if any primary or backup changed, else
@@ -193,5 +193,39 @@ struct ShardMapChange {
 // - FAILED_PRECONDITION: the map has partitions and no server is live.
 Result<ShardMapChange> ReassignShardMap(const v1::ShardMap& previous, std::vector<uint64_t> live_server_ids,
                                         uint64_t version);
+
+// The outcome of RebalancePrimaries.
+struct PrimaryRebalance {
+  // The map with the swaps made.
+  v1::ShardMap map;
+  // Partitions whose primary and backup swapped roles, sorted.
+  std::vector<uint32_t> swapped;
+};
+
+// Evens out how many partitions each server is primary of, by swapping the
+// primary and the backup of as few partitions as it takes. Used once every
+// backup holds its partition's state (a server that came back after a
+// failure holds only backups, see ReassignShardMap): the backup that becomes
+// primary already has the state, so nothing is copied but the new backup's
+// catch-up.
+//
+// The servers are those that hold a partition (as primary or backup). A map
+// is balanced when no partition's primary is primary of at least 2 more
+// partitions than its backup is; then nothing changes (no churn). Otherwise,
+// repeatedly, among the (primary, backup) pairs of servers that hold
+// partitions together, the pair whose primary counts differ most (ties: the
+// smaller primary id, then the smaller backup id) swaps its partitions with
+// the smallest ids, as many as halve the difference and no more. It ends
+// when no partition could move to a server with at least 2 fewer primaries.
+// With two servers the counts then differ by at most one, after exactly the
+// swaps needed (8 and 0 become 4 and 4 in 4 swaps); with more, as evenly as
+// swaps with each partition's own backup allow.
+// Partitions without a backup never move. Boundaries, partition_size and
+// parameter_count are unchanged; which servers hold each partition too.
+// The map's version is `version` if a partition swapped, else map.version.
+//
+// Errors (INVALID_ARGUMENT): `map` is not a valid map (as for
+// ReassignShardMap); version <= map.version.
+Result<PrimaryRebalance> RebalancePrimaries(const v1::ShardMap& map, uint64_t version);
 
 }  // namespace tandem::coordinator

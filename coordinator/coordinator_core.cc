@@ -764,16 +764,22 @@ Result<CoordinatorCore::NextEpoch> CoordinatorCore::ComputeEpoch(const Job& job,
   next.paused = plan.ranked.size() < job.spec.min_workers() && (pause || job.latest.paused());
   // Nothing changed (for example, the only joiners do not fit the mesh and
   // stay on standby): publish nothing.
+  const bool rebalance = cause == v1::EPOCH_CAUSE_REBALANCE;
   if (job.latest.epoch() > 0 && cause != v1::EPOCH_CAUSE_FAILURE && next.paused == job.latest.paused()) {
     std::set<std::pair<uint64_t, uint32_t>> before;
     std::set<std::pair<uint64_t, uint32_t>> after;
     for (const auto& p : job.latest.peers()) before.emplace(p.member_id(), p.has_rank() ? p.rank().global_rank() : ~0u);
     for (const auto& [id, rank] : plan.ranked) after.emplace(id, rank.global_rank());
     for (uint64_t id : servers) after.emplace(id, ~0u);
-    if (before == after) {
+    // A rebalance changes the shard map and nothing else: the workers
+    // push a step again after it only if the same workers are in it.
+    if ((before == after) != rebalance) {
       next.changed = false;
       return next;
     }
+  } else if (rebalance) {
+    next.changed = false;
+    return next;
   }
   v1::MembershipEpoch& epoch = next.epoch;
   epoch.set_epoch(job.latest.epoch() + 1);
@@ -806,8 +812,56 @@ Result<CoordinatorCore::NextEpoch> CoordinatorCore::ComputeEpoch(const Job& job,
     *peer->mutable_endpoints() = m.record.endpoints();
     peer->set_control_address(m.record.control_address());
   }
+  if (rebalance) {
+    auto balanced = RebalancePrimaries(job.latest.shard_map(), job.latest.shard_map().version() + 1);
+    if (!balanced.ok() || balanced->swapped.empty()) {
+      next.changed = false;
+      return next;
+    }
+    *epoch.mutable_shard_map() = std::move(balanced->map);
+    return next;
+  }
   AssignShardMap(job.spec, job.latest.shard_map(), servers, epoch);
   return next;
+}
+
+void CoordinatorCore::MaybeRebalance(Job& job) {
+  const v1::MembershipEpoch& latest = job.latest;
+  if (latest.state() != v1::EPOCH_STATE_ACTIVE || latest.shard_map().partitions_size() == 0 ||
+      job.window_closes.has_value()) {
+    return;
+  }
+  // Every member of the epoch is alive and staying, every live server is in
+  // it, and each reports its backups in sync in this epoch.
+  for (const auto& p : latest.peers()) {
+    auto it = job.members.find(p.member_id());
+    if (it == job.members.end() || !Alive(it->second) || it->second.record.state() == v1::MEMBER_STATE_DRAINING) {
+      return;
+    }
+    if (p.role() == v1::ROLE_SERVER && it->second.replicated_epoch < latest.epoch()) return;
+  }
+  for (const auto& [id, m] : job.members) {
+    if (m.record.role() == v1::ROLE_SERVER && Alive(m) && !InLatest(job, id)) return;
+  }
+  // Cheap first: is any partition's primary 2 ahead of its backup?
+  std::unordered_map<uint64_t, uint64_t> primaries;
+  for (const auto& p : latest.shard_map().partitions()) ++primaries[p.primary_member_id()];
+  bool uneven = false;
+  for (const auto& p : latest.shard_map().partitions()) {
+    if (p.backup_member_id() != 0 && primaries[p.primary_member_id()] >= primaries[p.backup_member_id()] + 2) {
+      uneven = true;
+      break;
+    }
+  }
+  if (!uneven) return;
+  std::string counts;
+  for (const auto& p : latest.peers()) {
+    if (p.role() != v1::ROLE_SERVER) continue;
+    counts += fmt::format("{}member {}: {}", counts.empty() ? "" : ", ", p.member_id(), primaries[p.member_id()]);
+  }
+  PublishEpoch(
+      job, v1::EPOCH_CAUSE_REBALANCE,
+      fmt::format("primaries rebalanced now that every backup holds its state (primaries before: {})", counts));
 }
 
 void CoordinatorCore::RecordEpoch(Job& job, const NextEpoch& next) {
@@ -967,6 +1021,7 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
   member->last_step = request.step();
   member->epoch_seen = request.epoch();
   member->collectives.assign(request.collectives().begin(), request.collectives().end());
+  if (member->record.role() == v1::ROLE_SERVER) member->replicated_epoch = request.replicated_epoch();
   if (request.step() > job->step && now - job->step_recorded >= milliseconds(1000)) {
     internal::Record r;
     r.mutable_step()->set_job_id(job->spec.job_id());
@@ -1139,6 +1194,7 @@ void CoordinatorCore::Tick() {
       spdlog::warn("job '{}': {} member(s) gave up: {}", job_id, timed_out.size(), why);
     }
     MaybeCloseRendezvous(job);
+    MaybeRebalance(job);
     // Members that left or died are remembered for a while (so they learn
     // why, and `tandem status` shows them), then forgotten.
     size_t gone = 0;

@@ -168,6 +168,7 @@ class CoordinatorCore {
     uint64_t last_step = 0;
     uint64_t epoch_seen = 0;
     std::vector<v1::CollectiveProgress> collectives;
+    uint64_t replicated_epoch = 0;  // servers: HeartbeatRequest.replicated_epoch
   };
   struct Job {
     v1::JobSpec spec;
@@ -223,6 +224,11 @@ class CoordinatorCore {
   void RecordEpoch(Job& job, const NextEpoch& next) TANDEM_REQUIRES(mu_);
   void AnnounceEpoch(Job& job, const NextEpoch& next, const std::string& detail) TANDEM_REQUIRES(mu_);
   void MaybeCloseRendezvous(Job& job) TANDEM_REQUIRES(mu_);
+  // Publishes an EPOCH_CAUSE_REBALANCE epoch when the latest epoch is active
+  // with every member it names alive, nothing waits to join or leave, every
+  // server reports its backups in sync in it (replicated_epoch), and
+  // RebalancePrimaries would swap partitions.
+  void MaybeRebalance(Job& job) TANDEM_REQUIRES(mu_);
   void MaybeActivate(Job& job) TANDEM_REQUIRES(mu_);
   // Marks members dead (id, why), counts one failure per host, and publishes
   // one epoch without them. `replaced`: the members were replaced by a newer

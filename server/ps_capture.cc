@@ -147,6 +147,7 @@ Status ParameterStore::Replace(std::vector<PartitionState> states, bool skip_opt
     part.state.version = std::max<uint64_t>(1, s.version);
     part.state.step = s.step;
     part.safe_step = s.step;
+    ClearInSyncLocked(part);
     part.agg_epoch = 0;
     part.ready = false;
     SetScanPending(part, false);

@@ -269,6 +269,15 @@ class ParameterStore {
   // Steps decided but not yet safe (waiting for backups), summed over
   // partitions: the replication lag.
   uint64_t ReplicationLag() const;
+  // The current epoch when the backup of every partition this server is
+  // primary of holds the partition's state: it acknowledged a whole-state
+  // transfer or an update in this epoch, or did in the previous epoch and
+  // stayed its backup with nothing unacknowledged (also the current epoch
+  // when this server is primary of nothing). 0 otherwise, and while a
+  // primary has no backup. Servers report it in heartbeats
+  // (HeartbeatRequest.replicated_epoch): the coordinator swaps primaries and
+  // backups only once it is the latest epoch everywhere. Reads an atomic.
+  uint64_t ReplicatedEpoch() const { return replicated_epoch_.load(std::memory_order_acquire); }
 
   // The fingerprint of a tensor table (FNV-1a over names, shapes, dtypes and
   // groups), as checkpoints record it.
@@ -347,6 +356,9 @@ class ParameterStore {
     // backup).
     uint64_t safe_step TANDEM_GUARDED_BY(mu) = 0;
     uint64_t replicating TANDEM_GUARDED_BY(mu) = 0;  // updates sent, not yet acknowledged
+    // Primary: the epoch in which the backup last held the state
+    // (ReplicatedEpoch); 0: never, or not since the state changed otherwise.
+    uint64_t in_sync_epoch TANDEM_GUARDED_BY(mu) = 0;
     std::vector<PendingPull> pulls TANDEM_GUARDED_BY(mu);
     std::vector<std::pair<uint64_t, Reply>> push_acks TANDEM_GUARDED_BY(mu);  // async: replies after replication
     // Async / bounded staleness: each contributor's last pushed step.
@@ -450,6 +462,11 @@ class ParameterStore {
   // `transfer`: the message was a whole-state transfer (a refused update is
   // answered with one; a refused transfer only waits for the next epoch).
   void OnReplicated(uint32_t partition, uint64_t step, uint64_t epoch, const Status& status, bool transfer);
+  // The backup acknowledged the partition's state in `epoch` (a primary
+  // with a backup and state): counts it towards ReplicatedEpoch.
+  void MarkInSyncLocked(Part& part, uint64_t epoch) TANDEM_REQUIRES(part.mu);
+  // The primary's state changed without reaching its backup (a restore).
+  void ClearInSyncLocked(Part& part) TANDEM_REQUIRES(part.mu);
   // Called before state.weights is written or replaced: a buffer that
   // replies still borrow goes to them; with `keep_values` the partition goes
   // on with a copy of it, else with an empty vector for the caller to fill.
@@ -479,6 +496,13 @@ class ParameterStore {
   StoreCounters counters_;
   // Partitions whose scan_pending is set.
   std::atomic<int> scans_pending_{0};
+  // ReplicatedEpoch: the epoch SetEpoch last adopted, and how many of its
+  // primaries have no backup in sync in it (a leaf lock: taken under a
+  // partition's).
+  Mutex sync_mu_;
+  uint64_t sync_epoch_ TANDEM_GUARDED_BY(sync_mu_) = 0;
+  size_t unsynced_ TANDEM_GUARDED_BY(sync_mu_) = 0;
+  std::atomic<uint64_t> replicated_epoch_{0};
 
   mutable Mutex mu_;
   CondVar changed_;  // a partition completed a step (CaptureAt)

@@ -81,6 +81,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
     other_servers_ = false;
     const Status superseded = Aborted("epoch {} was superseded by epoch {}; push the step again", previous, epoch);
     std::set<uint32_t> held;
+    size_t unsynced = 0;  // primaries whose backup does not hold the state yet
     for (const auto& p : map.partitions()) {
       v1::ReplicaRole role = v1::REPLICA_ROLE_UNSPECIFIED;
       if (p.primary_member_id() == member_id) role = v1::REPLICA_ROLE_PRIMARY;
@@ -130,6 +131,14 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       part.needs_transfer = role == v1::REPLICA_ROLE_PRIMARY && part.backup != 0 && part.state.version > 0 &&
                             (!was_primary || part.backup != old_backup || part.safe_step < part.state.step);
       part.links_ready = false;
+      // The backup still holds the state if it did in the previous epoch,
+      // stays the backup, and has nothing unacknowledged; otherwise it holds
+      // it once it acknowledges a transfer or an update in this one.
+      const bool still_in_sync = role == v1::REPLICA_ROLE_PRIMARY && was_primary && part.backup != 0 &&
+                                 part.backup == old_backup && part.state.version > 0 && !part.needs_transfer &&
+                                 part.safe_step >= part.state.step && part.in_sync_epoch == previous && previous != 0;
+      part.in_sync_epoch = still_in_sync ? epoch : 0;
+      if (role == v1::REPLICA_ROLE_PRIMARY && !still_in_sync) ++unsynced;
       // A finished aggregation stays while the partition stays here as
       // primary: its step may be decided (or already be, with the update
       // not yet applied) from the old epoch's shares. New pushes of the step
@@ -186,6 +195,12 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       capture->failed = Aborted("epoch {} was superseded by epoch {} before the checkpoint's step", previous, epoch);
     }
     captures_.clear();
+    {
+      MutexLock slock(&sync_mu_);
+      sync_epoch_ = epoch;
+      unsynced_ = unsynced;
+      replicated_epoch_.store(unsynced == 0 ? epoch : 0, std::memory_order_release);
+    }
     spdlog::info("epoch {}: this server (member {}) holds {} partition(s), {} as primary", epoch, member_id,
                  held.size(), primaries_);
   }

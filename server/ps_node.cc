@@ -447,6 +447,7 @@ Status PsNode::Hook(MemberHooks* hooks) {
   hooks->on_epoch = [this](const v1::MembershipEpoch& epoch, MemberSession& session) {
     return OnEpoch(epoch, session);
   };
+  hooks->replicated_epoch = [this] { return store_->ReplicatedEpoch(); };
   hooks->on_newer_epoch = [this](uint64_t latest) {
     MutexLock lock(&building_mu_);
     if (building_ != nullptr) building_->CancelIfSuperseded(latest);

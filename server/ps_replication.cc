@@ -101,6 +101,7 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
     if (status.ok()) {
       counters_.replicas_applied.fetch_add(1);
       part->safe_step = std::max(part->safe_step, step);
+      MarkInSyncLocked(*part, epoch);
       ServePullsLocked(*part, actions);
     } else if (!transfer && part->role == v1::REPLICA_ROLE_PRIMARY && part->backup != 0 &&
                part->safe_step < part->state.step) {
@@ -122,6 +123,28 @@ void ParameterStore::OnReplicated(uint32_t partition, uint64_t step, uint64_t ep
     }
   }
   Run(actions);
+}
+
+void ParameterStore::MarkInSyncLocked(Part& part, uint64_t epoch) {
+  if (part.role != v1::REPLICA_ROLE_PRIMARY || part.backup == 0 || part.state.version == 0 ||
+      epoch <= part.in_sync_epoch) {
+    return;
+  }
+  part.in_sync_epoch = epoch;
+  MutexLock lock(&sync_mu_);
+  // An acknowledgement from an older epoch counts for nothing now.
+  if (epoch != sync_epoch_ || unsynced_ == 0) return;
+  if (--unsynced_ == 0) replicated_epoch_.store(epoch, std::memory_order_release);
+}
+
+void ParameterStore::ClearInSyncLocked(Part& part) {
+  const uint64_t was = part.in_sync_epoch;
+  part.in_sync_epoch = 0;
+  if (part.role != v1::REPLICA_ROLE_PRIMARY || was == 0) return;
+  MutexLock lock(&sync_mu_);
+  if (was != sync_epoch_) return;
+  ++unsynced_;
+  replicated_epoch_.store(0, std::memory_order_release);
 }
 
 void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {

@@ -634,6 +634,106 @@ TEST(ShardMapExample, PartitionsWhoseServersBothDiedAreLost) {
             InvalidArgument("previous shard map: partition 1 covers [10, 19) but should cover [10, 20)"));
 }
 
+// Primary counts by server, over the servers that hold a partition.
+std::map<uint64_t, int> PrimaryCounts(const v1::ShardMap& map) {
+  std::map<uint64_t, int> counts;
+  for (const auto& p : map.partitions()) {
+    ++counts[p.primary_member_id()];
+    if (p.backup_member_id() != 0) counts.try_emplace(p.backup_member_id(), 0);
+  }
+  return counts;
+}
+
+TEST(RebalancePrimariesExample, ABalancedMapIsLeftAsItIs) {
+  for (const std::vector<uint64_t>& servers : {std::vector<uint64_t>{1, 2}, std::vector<uint64_t>{1, 2, 3}}) {
+    auto map = BuildShardMap(70, 10, servers, 1);
+    ASSERT_TRUE(map.ok());
+    auto same = RebalancePrimaries(*map, 2);
+    ASSERT_TRUE(same.ok()) << same.status().ToString();
+    EXPECT_EQ(same->map.SerializeAsString(), map->SerializeAsString());
+    EXPECT_TRUE(same->swapped.empty());
+    EXPECT_EQ(same->map.version(), 1u);
+  }
+}
+
+TEST(RebalancePrimariesExample, ARestartedServerGetsHalfThePrimariesBackInTheFewestSwaps) {
+  auto map = BuildShardMap(80, 10, {1, 2}, 1);
+  ASSERT_TRUE(map.ok());
+  // Server 1 dies and comes back: server 2 is primary of all 8, server 1 backs them up.
+  auto failed = ReassignShardMap(*map, {2}, 2);
+  ASSERT_TRUE(failed.ok());
+  auto back = ReassignShardMap(failed->map, {1, 2}, 3);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(Placement(back->map), std::vector<std::string>(8, "2/1"));
+
+  auto rebalanced = RebalancePrimaries(back->map, 4);
+  ASSERT_TRUE(rebalanced.ok()) << rebalanced.status().ToString();
+  EXPECT_EQ(Placement(rebalanced->map),
+            (std::vector<std::string>{"1/2", "1/2", "1/2", "1/2", "2/1", "2/1", "2/1", "2/1"}));
+  EXPECT_EQ(rebalanced->swapped, (std::vector<uint32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(rebalanced->map.version(), 4u);
+
+  // Balanced now: no churn.
+  auto again = RebalancePrimaries(rebalanced->map, 5);
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(again->swapped.empty());
+  EXPECT_EQ(again->map.SerializeAsString(), rebalanced->map.SerializeAsString());
+}
+
+TEST(RebalancePrimariesExample, UnevenCountsEndWithinOneOfEachOther) {
+  // Seven partitions over three servers, primaries 5, 2 and 0.
+  auto map = BuildShardMap(70, 10, {1, 2, 3}, 1);
+  ASSERT_TRUE(map.ok());
+  const std::vector<std::pair<uint64_t, uint64_t>> placement = {{1, 3}, {1, 2}, {1, 3}, {1, 2}, {1, 3}, {2, 3}, {2, 3}};
+  for (auto& p : *map->mutable_partitions()) {
+    p.set_primary_member_id(placement[p.id()].first);
+    p.set_backup_member_id(placement[p.id()].second);
+  }
+  EXPECT_EQ(PrimaryCounts(*map), (std::map<uint64_t, int>{{1, 5}, {2, 2}, {3, 0}}));
+
+  // Server 1 is 5 apart from server 3, which backs up 0, 2 and 4: two of
+  // them swap, the fewest that bring every count within one of the others.
+  auto rebalanced = RebalancePrimaries(*map, 2);
+  ASSERT_TRUE(rebalanced.ok()) << rebalanced.status().ToString();
+  EXPECT_EQ(PrimaryCounts(rebalanced->map), (std::map<uint64_t, int>{{1, 3}, {2, 2}, {3, 2}}));
+  EXPECT_EQ(rebalanced->swapped, (std::vector<uint32_t>{0, 2}));
+  EXPECT_EQ(Placement(rebalanced->map), (std::vector<std::string>{"3/1", "1/2", "3/1", "1/2", "1/3", "2/3", "2/3"}));
+  EXPECT_EQ(rebalanced->map.version(), 2u);
+}
+
+TEST(RebalancePrimariesExample, APartitionWithoutABackupNeverMoves) {
+  auto map = BuildShardMap(60, 10, {1, 2}, 1);
+  ASSERT_TRUE(map.ok());
+  // Server 1 is primary of all six; only partitions 4 and 5 have a backup.
+  for (auto& p : *map->mutable_partitions()) {
+    p.set_primary_member_id(1);
+    p.set_backup_member_id(p.id() >= 4 ? 2 : 0);
+  }
+  auto rebalanced = RebalancePrimaries(*map, 2);
+  ASSERT_TRUE(rebalanced.ok()) << rebalanced.status().ToString();
+  EXPECT_EQ(Placement(rebalanced->map), (std::vector<std::string>{"1/0", "1/0", "1/0", "1/0", "2/1", "2/1"}));
+  EXPECT_EQ(rebalanced->swapped, (std::vector<uint32_t>{4, 5}));
+
+  // No backups at all (a single server): nothing moves.
+  auto single = BuildShardMap(60, 10, {1}, 1);
+  ASSERT_TRUE(single.ok());
+  auto same = RebalancePrimaries(*single, 2);
+  ASSERT_TRUE(same.ok());
+  EXPECT_TRUE(same->swapped.empty());
+  EXPECT_EQ(same->map.version(), 1u);
+}
+
+TEST(RebalancePrimariesExample, BadRequestsSayWhy) {
+  auto map = BuildShardMap(20, 10, {1, 2}, 3);
+  ASSERT_TRUE(map.ok());
+  EXPECT_EQ(RebalancePrimaries(*map, 3).status(),
+            InvalidArgument("new shard map version 3 must be greater than the previous version 3"));
+  v1::ShardMap broken = *map;
+  broken.mutable_partitions(0)->set_backup_member_id(1);
+  EXPECT_EQ(RebalancePrimaries(broken, 4).status(),
+            InvalidArgument("previous shard map: partition 0 has server 1 as both primary and backup"));
+}
+
 // ===========================================================================
 // Properties: shard map
 // ===========================================================================
@@ -801,6 +901,65 @@ TEST(ShardMapProperty, FailoverKeepsLivePrimariesPromotesBackupsAndLosesOnlyWhat
   }
   EXPECT_GT(promoted, 0);
   EXPECT_GT(lost, 0);
+}
+
+TEST(RebalancePrimariesProperty, SwapsOnlyPrimaryAndBackupAndLeavesNoMoveThatWouldHelp) {
+  for (int i = 0; i < kCases && !HasFailure(); ++i) {
+    const uint64_t seed = BaseSeed() + 500000 + static_cast<uint64_t>(i);
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    uint64_t next_id = 0;
+    const std::vector<uint64_t> servers = RandomServers(rng, next_id, 2, 6);
+    const uint64_t partitions = 1 + rng() % 40;
+    auto built = BuildShardMap(partitions * 4, 4, servers, 1);
+    ASSERT_TRUE(built.ok());
+    v1::ShardMap map = *built;
+    // Random placements: any primary, a backup on another server or none.
+    for (auto& p : *map.mutable_partitions()) {
+      const uint64_t primary = servers[rng() % servers.size()];
+      uint64_t backup = rng() % 5 == 0 ? 0 : servers[rng() % servers.size()];
+      if (backup == primary) backup = 0;
+      p.set_primary_member_id(primary);
+      p.set_backup_member_id(backup);
+    }
+    auto result = RebalancePrimaries(map, 2);
+    ASSERT_TRUE(result.ok()) << result.status().ToString();
+    const v1::ShardMap& next = result->map;
+    CheckCoverage(next, partitions * 4, 4);
+    std::set<uint32_t> swapped(result->swapped.begin(), result->swapped.end());
+    EXPECT_EQ(swapped.size(), result->swapped.size());
+    for (int k = 0; k < map.partitions_size(); ++k) {
+      const auto& was = map.partitions(k);
+      const auto& now = next.partitions(k);
+      if (swapped.count(was.id())) {
+        EXPECT_NE(was.backup_member_id(), 0u);
+        EXPECT_EQ(now.primary_member_id(), was.backup_member_id());
+        EXPECT_EQ(now.backup_member_id(), was.primary_member_id());
+      } else {
+        EXPECT_EQ(now.primary_member_id(), was.primary_member_id());
+        EXPECT_EQ(now.backup_member_id(), was.backup_member_id());
+      }
+    }
+    // Each swap moves a primary to a server with fewer: the spread never grows.
+    const auto before = PrimaryCounts(map);
+    const auto counts = PrimaryCounts(next);
+    auto spread = [](const std::map<uint64_t, int>& c) {
+      auto [lo, hi] = std::minmax_element(c.begin(), c.end(), [](auto& a, auto& b) { return a.second < b.second; });
+      return hi->second - lo->second;
+    };
+    EXPECT_LE(spread(counts), spread(before));
+    // No partition could still move to a server with at least 2 fewer primaries.
+    for (const auto& p : next.partitions()) {
+      if (p.backup_member_id() == 0) continue;
+      EXPECT_LT(counts.at(p.primary_member_id()), counts.at(p.backup_member_id()) + 2) << "partition " << p.id();
+    }
+    EXPECT_EQ(next.version(), swapped.empty() ? map.version() : 2u);
+    // Balanced now: a second pass changes nothing.
+    auto again = RebalancePrimaries(next, 3);
+    ASSERT_TRUE(again.ok());
+    EXPECT_TRUE(again->swapped.empty());
+    EXPECT_EQ(again->map.SerializeAsString(), next.SerializeAsString());
+  }
 }
 
 }  // namespace

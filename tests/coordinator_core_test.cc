@@ -109,6 +109,7 @@ class CoreTest : public ::testing::Test {
     r.set_member_id(m.id);
     r.set_session_id(m.session);
     r.set_step(step);
+    if (auto it = replicated_.find(m.id); it != replicated_.end()) r.set_replicated_epoch(it->second);
     return core_->Heartbeat(r).status();
   }
 
@@ -164,6 +165,8 @@ class CoreTest : public ::testing::Test {
   std::unique_ptr<MemoryStore> store_;
   std::unique_ptr<CoordinatorCore> core_;
   std::vector<M> members_;
+  // HeartbeatRequest.replicated_epoch each member reports (absent: 0).
+  std::map<uint64_t, uint64_t> replicated_;
 };
 
 TEST_F(CoreTest, RendezvousWaitsForMinimumThenTheLastCallWindow) {
@@ -485,6 +488,112 @@ TEST_F(CoreTest, ShardMapBalancesOverServersAndPromotesBackupsWhenOneDies) {
   ASSERT_EQ(e.epoch(), 2u);
   for (const auto& p : e.shard_map().partitions()) EXPECT_EQ(p.primary_member_id(), s0.id);
   EXPECT_GT(e.shard_map().version(), 1u);
+}
+
+TEST_F(CoreTest, PrimariesAreRebalancedOnceEveryServerReportsItsBackupsInSync) {
+  Open();
+  auto spec = Spec(1, 1, 2);
+  spec.set_parameter_count(8 << 20);
+  spec.set_partition_size_bytes(4u << 20);  // 1 Mi elements per partition: 8 partitions
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M s0 = Join("s0", v1::ROLE_SERVER);
+  const M s1 = Join("s1", v1::ROLE_SERVER);
+  const M w = Join("n0");
+  auto e = Latest(w);
+  ASSERT_EQ(e.epoch(), 1u);
+  AckAll(e);
+  replicated_[s0.id] = replicated_[s1.id] = 1;
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 1u);  // balanced: no rebalance
+  TickWithout(milliseconds(3100), {s1.id});
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 2u);
+  AckAll(e);
+  const M back = Join("s1", v1::ROLE_SERVER);
+  Tick(milliseconds(600));  // the join window closes
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 3u);
+  ASSERT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
+  for (const auto& p : e.shard_map().partitions()) {
+    EXPECT_EQ(p.primary_member_id(), s0.id);
+    EXPECT_EQ(p.backup_member_id(), back.id);
+  }
+  AckAll(e);
+  ASSERT_EQ(Latest(w).state(), v1::EPOCH_STATE_ACTIVE);
+  const uint64_t version = e.shard_map().version();
+
+  // Not until every server reports its backups in sync in epoch 3.
+  replicated_[s0.id] = 2;
+  replicated_[back.id] = 3;
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 3u);
+  replicated_[s0.id] = 3;
+  Tick(milliseconds(100));
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 4u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_REBALANCE);
+  EXPECT_NE(e.cause_detail().find("primaries rebalanced"), std::string::npos) << e.cause_detail();
+  EXPECT_EQ(e.shard_map().version(), version + 1);
+  std::map<uint64_t, int> primaries;
+  for (const auto& p : e.shard_map().partitions()) {
+    ++primaries[p.primary_member_id()];
+    EXPECT_EQ(p.backup_member_id(), p.primary_member_id() == s0.id ? back.id : s0.id);
+  }
+  EXPECT_EQ(primaries[s0.id], 4);
+  EXPECT_EQ(primaries[back.id], 4);
+  // Only the shard map changed: the same workers with the same ranks.
+  EXPECT_EQ(Ranks(e), Ranks(Latest(s0)));
+  EXPECT_EQ(e.worker_count(), 1u);
+  EXPECT_EQ(e.server_count(), 2u);
+
+  // Exactly one: not while it is pending, nor once balanced.
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 4u);
+  AckAll(e);
+  replicated_[s0.id] = replicated_[back.id] = 4;
+  Tick(milliseconds(100));
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 4u);
+  EXPECT_EQ(Latest(w).state(), v1::EPOCH_STATE_ACTIVE);
+}
+
+TEST_F(CoreTest, NoRebalanceWhileAMemberJoins) {
+  Open();
+  auto spec = Spec(1, 1, 2);
+  spec.set_parameter_count(8 << 20);
+  spec.set_partition_size_bytes(4u << 20);
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M s0 = Join("s0", v1::ROLE_SERVER);
+  const M s1 = Join("s1", v1::ROLE_SERVER);
+  const M w = Join("n0");
+  AckAll(Latest(w));
+  TickWithout(milliseconds(3100), {s1.id});
+  AckAll(Latest(w));
+  const M back = Join("s1", v1::ROLE_SERVER);
+  Tick(milliseconds(600));
+  auto e = Latest(w);
+  ASSERT_EQ(e.epoch(), 3u);
+  AckAll(e);
+  // Both report their backups in sync, but a third server is joining: its
+  // join epoch comes first, and no rebalance while its window is open.
+  replicated_[s0.id] = replicated_[back.id] = 3;
+  const M s2 = Join("s2", v1::ROLE_SERVER);
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 3u);
+  Tick(milliseconds(500));
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 4u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
+  // Active, but the new server has not reported epoch 4 yet: still none.
+  AckAll(e);
+  replicated_[s0.id] = replicated_[back.id] = 4;
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), 4u);
+  replicated_[s2.id] = 4;
+  Tick(milliseconds(100));
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), 5u);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_REBALANCE);
 }
 
 TEST_F(CoreTest, RestartRecoversTheSameEpochAndMembersReattach) {

@@ -313,5 +313,92 @@ TEST_F(PsCoreTest, ABackupThatDivergedIsSentTheWholeStateAgain) {
   EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
 }
 
+// A server dies and comes back: the survivor holds every primary and the
+// returned server every backup. Once the backups hold the state
+// (ReplicatedEpoch), a rebalance epoch swaps primary and backup of half the
+// partitions while an update the old primaries applied never reached their
+// backups: the workers push that step again, every update is applied exactly
+// once, and the result equals a failure-free run bit for bit.
+TEST_F(PsCoreTest, APrimarySwappedWithItsInSyncBackupKeepsEveryUpdateOnce) {
+  Job job;
+  Start(2, job);
+  const uint64_t a = kFirstServer;
+  const uint64_t b = kFirstServer + 1;
+  RunStep(1, 2);
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 1u);
+  EXPECT_EQ(cluster_[b].ReplicatedEpoch(), 1u);
+  cluster_.nodes[b]->alive = false;
+  map_ = Reassign(map_, cluster_.Live());
+  SetEpoch(2);
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 0u);  // no backups
+  RunStep(2, 2);
+  RunStep(3, 2);
+
+  // b comes back empty and backs up everything; a sends it the state.
+  cluster_.Add(b);
+  map_.set_version(map_.version() + 1);
+  for (auto& p : *map_.mutable_partitions()) {
+    ASSERT_EQ(p.primary_member_id(), a);
+    p.set_backup_member_id(b);
+  }
+  cluster_.hold_replicas = true;
+  SetEpoch(3);
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 0u);  // transfers in flight
+  EXPECT_EQ(cluster_[b].ReplicatedEpoch(), 3u);  // primary of nothing
+  cluster_.Release();
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 3u);
+  RunStep(4, 2);
+
+  // Step 5 is applied on a, its updates to b held; then the rebalance.
+  cluster_.hold_replicas = true;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [begin, end] = Range(p);
+    for (uint32_t c = 0; c < 2; ++c) {
+      ASSERT_TRUE(AnsweredOk(Push(PrimaryOf(p), 3, 5, p, c, 2, Grad(5, c, begin, end))));
+    }
+  }
+  map_.set_version(map_.version() + 1);
+  for (auto& p : *map_.mutable_partitions()) {
+    if (p.id() % 2 == 0) {
+      p.set_primary_member_id(b);
+      p.set_backup_member_id(a);
+    }
+  }
+  // The updates die with the old epoch's links.
+  cluster_.nodes[b]->alive = false;
+  cluster_.Release();
+  cluster_.nodes[b]->alive = true;
+  SetEpoch(4);
+  std::vector<float> params;
+  for (uint64_t s = 5; s <= 7; ++s) params = RunStep(s, 2);
+  const auto reference = ReferenceRun(job, 7, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto stats = PrimaryOf(p).Stats({p});
+    ASSERT_EQ(stats.partitions_size(), 1);
+    EXPECT_EQ(stats.partitions(0).step(), 7u) << "partition " << p;
+  }
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 4u);
+  EXPECT_EQ(cluster_[b].ReplicatedEpoch(), 4u);
+
+  // The same placement in a new epoch: the backups still hold the state.
+  SetEpoch(5);
+  EXPECT_EQ(cluster_[a].ReplicatedEpoch(), 5u);
+  EXPECT_EQ(cluster_[b].ReplicatedEpoch(), 5u);
+  // A restore changes a primary's state behind its backup's back.
+  auto [begin, end] = Range(1);
+  PartitionState restored;
+  restored.id = 1;
+  restored.begin = begin;
+  restored.end = end;
+  restored.version = 9;
+  restored.step = 7;
+  restored.weights.assign(end - begin, 0.5f);
+  ASSERT_TRUE(PrimaryOf(1).Replace({restored}, false).ok());
+  EXPECT_EQ(PrimaryOf(1).ReplicatedEpoch(), 0u);
+}
+
 }  // namespace
 }  // namespace tandem::server::store_test

@@ -275,6 +275,27 @@ TEST(PsProcessTest, KillPrimaryMidStepTrainingGoesOnAndMatchesAFailureFreeRun) {
   }
   EXPECT_GE(workers[0]->retries() + workers[1]->retries(), 1);
   EXPECT_GE(workers[0]->client().epoch(), 2u);
+  // The kill leaves one survivor primary of 9 partitions and the other of 4:
+  // once the new backups hold their state, a rebalance epoch swaps two of
+  // them (7 and 6). What follows runs in that epoch, with this worker's group
+  // for it ready.
+  std::vector<int> primaries;
+  EXPECT_TRUE(testing::WaitUntil(
+      [&] {
+        auto st = workers[0]->client().Stats();
+        if (!st.ok()) return false;
+        primaries.clear();
+        for (auto& [member, s] : *st) {
+          if (s.epoch() != workers[0]->client().epoch()) return false;
+          int n = 0;
+          for (const auto& p : s.partitions()) n += p.role() == v1::REPLICA_ROLE_PRIMARY ? 1 : 0;
+          primaries.push_back(n);
+        }
+        std::sort(primaries.begin(), primaries.end());
+        return primaries == std::vector<int>{6, 7};
+      },
+      milliseconds(20000)))
+      << "primaries per server: " << ::testing::PrintToString(primaries);
   // What the workers' push and pull metrics count: every answered push and
   // pull (retries included), with its bytes, by server (ranks among 3, then 2).
   for (const auto& w : workers) {
