@@ -56,9 +56,11 @@ std::string Detection(const Outcome& run, size_t i) {
 
 TEST(FailureProcessTest, EveryRoleKilledOrHungMidTrainingComesBackAndNoUpdateIsLostOrRepeated) {
   testing::TempDir dir;
-  const auto local = Invoke(dir, "local", {"train", "--train-steps", "200", "--train-optimizer", "sgd"});
+  // 260 steps: room for seven faults one after the other, each after the
+  // cluster is whole again (and primaries rebalanced after a server's restart).
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "260", "--train-optimizer", "sgd"});
   ASSERT_TRUE(local.ok) << local.output;
-  auto args = Cluster("200", "loopback");
+  auto args = Cluster("260", "loopback");
   // Rank 0; the coordinator twice; a hung server, restarted, then its
   // former backup partner killed (replication was whole again in between);
   // a hung worker; a slow one.
@@ -79,7 +81,7 @@ TEST(FailureProcessTest, EveryRoleKilledOrHungMidTrainingComesBackAndNoUpdateIsL
   EXPECT_EQ(Detection(run, 4), "the coordinator declared worker-2 dead");
   EXPECT_NE(run.output.find("worker-2 (pid"), std::string::npos);
   EXPECT_NE(run.output.find("was declared dead by the coordinator"), std::string::npos) << run.output;
-  EXPECT_EQ(Applied(run.summary), 200) << run.output;
+  EXPECT_EQ(Applied(run.summary), 260) << run.output;
   ExpectSameTraining(local, run, "sgd");
 }
 

@@ -276,6 +276,43 @@ Status Runtime::ServerStep::Resync(const DataPlane::EpochView& view) {
     auto pushed = PushStepAgainIfWhole(static_cast<uint64_t>(agreed), count, lagging);
     if (!pushed.ok()) return pushed.status();
     if (!*pushed) {
+      // Only the old epoch's aggregation can complete the step now. Held by
+      // the server that was the partition's primary when the step was
+      // pushed: if that server is gone too (it died in the same membership
+      // change as the workers), nothing can, and the job rolls back to its
+      // latest checkpoint (or ends saying why) instead of waiting forever.
+      std::set<uint64_t> servers_now;
+      for (const auto& p : map.partitions()) {
+        servers_now.insert(p.primary_member_id());
+        servers_now.insert(p.backup_member_id());
+      }
+      int64_t gone = 0, any_gone = 0;
+      for (size_t p = 0; p < behind.size(); ++p) {
+        const uint32_t id = map.partitions(static_cast<int>(p)).id();
+        if (behind[p] && id < rt_.pushed_primaries_.size() && rt_.pushed_primaries_[id] != 0 &&
+            !servers_now.contains(rt_.pushed_primaries_[id])) {
+          gone = 1;
+        }
+      }
+      TANDEM_RETURN_IF_ERROR(rt_.world_->AllReduce(&gone, &any_gone, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                                 .WithContext("agreeing on whether the step's servers are gone"));
+      if (any_gone != 0) {
+        spdlog::error(
+            "step {}: partitions {} never applied it, and the server that decided it died with workers that pushed "
+            "it: no server holds the step's whole gradient",
+            agreed, lagging);
+        TANDEM_RETURN_IF_ERROR(RollBack(view));
+        auto restored = rt_.PullStage(map, 0, nullptr);
+        if (!restored.ok()) return restored.status().WithContext("pulling the parameters after the rollback");
+        int64_t at = 0, everyone = 0;
+        for (int64_t s : *restored) {
+          if (s != INT64_MAX) at = std::max(at, s);
+        }
+        TANDEM_RETURN_IF_ERROR(rt_.world_->AllReduce(&at, &everyone, 1, comm::DType::kInt64, comm::ReduceOp::kMax)
+                                   .WithContext("agreeing on the servers' step after the rollback"));
+        rt_.completed_ = static_cast<uint64_t>(everyone);
+        return Status::Ok();
+      }
       auto again = rt_.PullStage(map, static_cast<uint64_t>(agreed), &behind);
       if (!again.ok()) {
         return again.status().WithContext(fmt::format(

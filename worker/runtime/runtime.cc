@@ -352,6 +352,12 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   // there is none to push again.
   grads_step_ = sharded_ ? 0 : step_;
   grads_world_ = view_->rank.world_size();
+  if (const auto& parts = view_->epoch.shard_map().partitions(); !parts.empty()) {
+    pushed_primaries_.assign(static_cast<size_t>(parts.size()), 0);
+    for (const auto& p : parts) {
+      if (p.id() < pushed_primaries_.size()) pushed_primaries_[p.id()] = p.primary_member_id();
+    }
+  }
   GradientsReady(0);
   grads_lr_ = step_lr_;
   loss_in_[0] = static_cast<float>(loss_share);

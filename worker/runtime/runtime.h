@@ -541,6 +541,10 @@ class Runtime {
   // communication thread clears it.
   std::atomic<uint64_t> grads_step_{0};
   uint32_t grads_world_ = 0;  // how many workers pushed it
+  // The primary of each partition (by id) when that step was pushed: a
+  // resync that finds partitions missing the step tells from it whether
+  // the server holding the step's aggregation is still there.
+  std::vector<uint64_t> pushed_primaries_;
   // The learning rate: as set (SetStepLearningRate); the current step's,
   // taken from it when its first gradients are handed over (its pushes
   // carry it); and grads_step_'s, which a push of that step again carries.
