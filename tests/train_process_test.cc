@@ -782,6 +782,43 @@ TEST(TrainProcessTest, AServerDyingAfterItsDecisionWhileTheParametersLandLosesNo
   EXPECT_EQ(std::memcmp(crash.params.data(), reference.params.data(), parameters * sizeof(float)), 0);
 }
 
+// A server and a worker that die together with a step in flight: the
+// server decided step 5 but applied and replicated none of its partitions
+// (ps.crash_on_decide), and a worker that pushed it died too
+// (train.crash_after_push). No server holds the step's whole gradient and
+// the workers that are left cannot push it again as it was: the job rolls
+// back to its checkpoint of step 4 and trains steps 5 to 8 again with three
+// workers, the same training as the failure-free run's (to float rounding:
+// the sums run over three workers instead of four).
+TEST(TrainProcessTest, AServerAndAWorkerDyingWithAStepInFlightRollTheJobBack) {
+  testing::TempDir dir;
+  const auto local = Invoke(dir, "local", {"train", "--train-steps", "1"});
+  ASSERT_TRUE(local.ok) << local.output;
+  const size_t parameters = local.params.size();
+  constexpr int kSteps = 8;
+  HandOptions options;
+  options.servers = 2;
+  options.worker_args = {"--train-checkpoint-every", "2", "--train-checkpoint-dir", dir.path() + "/ckpt"};
+  const HandRun reference = RunByHand(dir, "reference", parameters, kSteps, options);
+  ASSERT_TRUE(reference.failure.empty()) << reference.failure << "\n" << reference.worker_logs;
+  options.worker_args = {"--train-checkpoint-every", "2", "--train-checkpoint-dir", dir.path() + "/ckpt2"};
+  options.failpoint = "ps.crash_on_decide=5";
+  options.worker_failpoint = "train.crash_after_push=5";
+  const HandRun crash = RunByHand(dir, "crash", parameters, kSteps, options);
+  ASSERT_TRUE(crash.failure.empty()) << crash.failure << "\n" << crash.worker_logs << "\n" << crash.server_logs;
+  EXPECT_TRUE(crash.crashed);
+  EXPECT_NE(crash.worker_logs.find("no server holds the step's whole gradient"), std::string::npos)
+      << crash.worker_logs;
+  EXPECT_NE(crash.worker_logs.find("rolled the job back from step"), std::string::npos) << crash.worker_logs;
+  ASSERT_EQ(crash.params.size(), parameters);
+  ASSERT_EQ(reference.params.size(), parameters);
+  double max_diff = 0;
+  for (size_t i = 0; i < parameters; ++i) {
+    max_diff = std::max(max_diff, std::fabs(static_cast<double>(crash.params[i]) - reference.params[i]));
+  }
+  EXPECT_LT(max_diff, 0.01 * kLr);  // a step lost or applied twice moves parameters by about kLr
+}
+
 // Asynchronous training (train.consistency async and bounded): each
 // contributor's push is an update of its own, applied once: the servers
 // count one per push (ps mode: workers x steps; hybrid: nodes x steps), and

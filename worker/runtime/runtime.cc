@@ -11,6 +11,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "common/failpoint.h"
 #include "worker/runtime/buckets.h"
 #include "worker/runtime/step.h"
 
@@ -359,6 +360,9 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
     }
   }
   GradientsReady(0);
+  if (FailpointNumber("train.crash_after_push") == step_) {  // a worker dying with a step in flight, for tests
+    FailpointCrashSoon(fmt::format("train.crash_after_push: step {} is pushed; this worker dies", step_), 500);
+  }
   grads_lr_ = step_lr_;
   loss_in_[0] = static_cast<float>(loss_share);
   loss_in_[1] = static_cast<float>(samples);
