@@ -12,7 +12,7 @@
 // step), and stops everything with SIGTERM once the last step is done, on
 // Ctrl-C, or when training cannot go on. It then asks every server how many
 // updates it applied.
-// (cli/local_cluster.cc: a LocalCluster runs these as its Start, Follow and
+// (cli/local_cluster_detail.h: a LocalCluster runs these as its Start, Follow and
 // Summarise steps.)
 //
 // Thread safety: one run at a time per process.

@@ -226,11 +226,4 @@ bool Supervisor::AllUp() const {
   });
 }
 
-bool Supervisor::AnyAlive(ProcessRole role) const {
-  return std::any_of(processes_.begin(), processes_.end(), [role](const auto& p) {
-    return p->role == role && (p->state == Supervised::State::kRunning || p->state == Supervised::State::kWaiting ||
-                               p->state == Supervised::State::kStarting);
-  });
-}
-
 }  // namespace tandem::cli

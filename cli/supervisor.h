@@ -110,8 +110,6 @@ class Supervisor {
   std::map<std::string, int> restarts() const;
   // Whether every process that is not retired is up.
   bool AllUp() const;
-  // Whether any of `role` is up or on its way back.
-  bool AnyAlive(ProcessRole role) const;
 
  private:
   void Ended(Supervised& p, const Result<ExitInfo>& exit);

@@ -96,7 +96,6 @@ TEST_F(SupervisorTest, AProcessThatDiesIsRestartedUnderItsNameAfterADelayThatDou
   ASSERT_TRUE(p.daemon.process->Signal(SIGKILL).ok());
   ASSERT_TRUE(PollUntil([&] { return p.state == Supervised::State::kDown; })) << Events();
   EXPECT_NE(Events().find("it has no restarts left (2 used): it stays down"), std::string::npos) << Events();
-  EXPECT_FALSE(supervisor_.AnyAlive(ProcessRole::kWorker));
   EXPECT_FALSE(supervisor_.AllUp());
 }
 
@@ -147,7 +146,6 @@ TEST_F(SupervisorTest, ARetiredOrVetoedProcessIsNotRestarted) {
   EXPECT_EQ(retired.state, Supervised::State::kRetired);
   EXPECT_EQ(supervisor_.restarts().at("worker"), 0);
   EXPECT_TRUE(supervisor_.AllUp());  // retired processes are not missing
-  EXPECT_FALSE(supervisor_.AnyAlive(ProcessRole::kWorker));
 }
 
 TEST_F(SupervisorTest, TheCoordinatorComesBackOnItsPortAndStopAllStopsEvenAStoppedProcess) {
