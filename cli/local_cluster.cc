@@ -460,8 +460,7 @@ void LocalCluster::Supervise() {
     if (reader_->finished()) return false;
     return !(script_ && p.role == ProcessRole::kWorker && exit.ok() && exit->success() && LastStep() >= steps);
   });
-  PollCoordinator();
-  FenceTheDead();
+  if (PollCoordinator()) FenceTheDead();
   // A process with no restarts left leaves the job below its minimum (the
   // coordinator's, or both copies of partitions lost): training cannot go
   // on. The first one found is named: the others may have ended because of it.

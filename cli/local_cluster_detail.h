@@ -181,9 +181,11 @@ class LocalCluster {
   // Supervision and faults (below Summarise's steps).
   Status PlanFaults();
   FaultSpace SpaceOfFaults() const;
-  // The coordinator's view of the job (status_), asked at most every 250 ms.
-  void PollCoordinator();
-  // Kills the processes the coordinator declared dead (the supervisor restarts them).
+  // The coordinator's view of the job (status_), asked at most every 250 ms;
+  // whether it was asked now and answered.
+  bool PollCoordinator();
+  // Kills the processes the coordinator declared dead (the supervisor
+  // restarts them); after each new status.
   void FenceTheDead();
   // Every process up and in the active epoch, every partition backed up.
   bool Whole() const;

@@ -58,13 +58,13 @@ Status LocalCluster::PlanFaults() {
   return Status::Ok();
 }
 
-void LocalCluster::PollCoordinator() {
+bool LocalCluster::PollCoordinator() {
   const auto now = Clock::now();
-  if (now - status_at_ < std::chrono::milliseconds(250)) return;
+  if (now - status_at_ < std::chrono::milliseconds(250)) return false;
   status_at_ = now;
   if (!admin_) {
     auto channel = MakeChannel(coordinator_, TlsConfig{});
-    if (!channel.ok()) return;
+    if (!channel.ok()) return false;
     admin_ = v1::CoordinatorAdmin::NewStub(*channel);
   }
   grpc::ClientContext ctx;
@@ -75,12 +75,14 @@ void LocalCluster::PollCoordinator() {
   if (admin_->GetStatus(&ctx, request, &response).ok()) {
     status_ = std::move(response);
     status_fresh_ = Clock::now();
+    return true;
   } else {
     // Down or restarting: a new channel next time, rather than waiting out
     // the old one's reconnection back-off.
     status_.reset();
     admin_.reset();
   }
+  return false;
 }
 
 void LocalCluster::FenceTheDead() {
