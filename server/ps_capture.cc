@@ -78,9 +78,16 @@ Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::millisecon
     }
   }
   if (!request->failed.ok()) return request->failed;
+  // The partitions are copied in the order they reach the step, whatever
+  // their role when they do.
   std::sort(request->result.partitions.begin(), request->result.partitions.end(),
             [](const PartitionState& a, const PartitionState& b) { return a.id < b.id; });
   return std::move(request->result);
+}
+
+size_t ParameterStore::WaitingCaptures() const {
+  MutexLock lock(&mu_);
+  return captures_.size();
 }
 
 void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
@@ -89,8 +96,9 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
   {
     MutexLock lock(&mu_);
     bool wanted = false;
-    for (size_t i = 0; i < captures_.size(); ++i) {
-      wanted = wanted || (captures_[i]->step == step && captures_[i]->expected.count(partition) > 0);
+    // A backup given the whole state by transfer can jump past a step.
+    for (const auto& c : captures_) {
+      wanted = wanted || (c->step <= step && c->expected.count(partition) > 0 && !c->Captured(partition));
     }
     if (wanted) {
       auto it = parts_.find(partition);
@@ -98,7 +106,9 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
       if (part) {
         MutexLock plock(&part->mu);
         for (auto& c : captures_) {
-          if (c->step != step || c->expected.count(partition) == 0 || !c->failed.ok()) continue;
+          if (c->step > step || c->expected.count(partition) == 0 || !c->failed.ok() || c->Captured(partition)) {
+            continue;
+          }
           if (part->state.step == step) {
             c->result.partitions.push_back(part->state);
           } else {

@@ -65,6 +65,7 @@
 // capture) and for callers without a loop (tests, benchmarks).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -196,8 +197,13 @@ class ParameterStore {
   // Copies the state of this server's primaries once all of them completed
   // `step` (0: the step they are at now, which must be the same on all),
   // waiting up to `timeout`. FAILED_PRECONDITION if a primary is already past
-  // `step` or the primaries disagree; DEADLINE_EXCEEDED if not reached.
+  // `step` or the primaries disagree; DEADLINE_EXCEEDED if not reached. The
+  // wait survives a new epoch in which this server still holds every one of
+  // those partitions (as primary or backup: a rebalance); ABORTED if one of
+  // them moved to another server.
   Result<Capture> CaptureAt(uint64_t step, std::chrono::milliseconds timeout);
+  // How many CaptureAt calls are waiting for their step.
+  size_t WaitingCaptures() const;
   // The server is stopping: every CaptureAt waiting, and every later one,
   // fails with UNAVAILABLE at once (a save in flight does not hold the
   // shutdown up for its whole timeout).
@@ -305,6 +311,10 @@ class ParameterStore {
     Capture result;
     Status failed;
     bool done() const { return !failed.ok() || result.partitions.size() == expected.size(); }
+    bool Captured(uint32_t id) const {
+      return std::any_of(result.partitions.begin(), result.partitions.end(),
+                         [id](const PartitionState& p) { return p.id == id; });
+    }
   };
   // A weights buffer that fp32 pull replies are still sending from, after
   // the partition moved on to a copy (see Part::lent).

@@ -191,10 +191,29 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         ++it;
       }
     }
+    // A checkpoint waiting for a step survives the change when this server
+    // still holds (as primary or backup, whose state is the same) every
+    // partition it waits for, none of them past the step: a rebalance swaps
+    // roles and moves nothing. A partition that left fails it.
     for (auto& capture : captures_) {
-      capture->failed = Aborted("epoch {} was superseded by epoch {} before the checkpoint's step", previous, epoch);
+      if (!capture->failed.ok()) continue;
+      for (uint32_t id : capture->expected) {
+        if (capture->Captured(id)) continue;
+        if (held.count(id) == 0) {
+          capture->failed = Aborted(
+              "partition {} moved to another server in epoch {} (superseding epoch {}) before the checkpoint's step",
+              id, epoch, previous);
+          break;
+        }
+        const auto& part = parts_.at(id);
+        MutexLock plock(&part->mu);
+        if (part->state.step > capture->step) {
+          capture->failed =
+              FailedPrecondition("partition {} moved past step {} before it could be captured", id, capture->step);
+          break;
+        }
+      }
     }
-    captures_.clear();
     {
       MutexLock slock(&sync_mu_);
       sync_epoch_ = epoch;

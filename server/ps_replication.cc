@@ -191,6 +191,7 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
   part->safe_step = h.step;
   plock.Unlock();
   answer(Status::Ok());
+  StepCompleted(h.partition, h.step);
 }
 
 void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* payload, Reply reply) {
@@ -235,6 +236,7 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
                part->state.version, h.step);
   plock.Unlock();
   answer(Status::Ok());
+  StepCompleted(h.partition, h.step);
 }
 
 }  // namespace tandem::server

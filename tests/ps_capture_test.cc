@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -17,6 +18,16 @@
 
 namespace tandem::server::store_test {
 namespace {
+
+// Polls `done` for up to 10 s.
+bool Eventually(const std::function<bool()>& done) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (!done()) {
+    if (std::chrono::steady_clock::now() > until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
 
 TEST_F(PsCoreTest, StoppingFailsAWaitingCaptureAtOnceAndEveryLaterOne) {
   Job job;
@@ -34,6 +45,69 @@ TEST_F(PsCoreTest, StoppingFailsAWaitingCaptureAtOnceAndEveryLaterOne) {
   EXPECT_EQ(s.code(), StatusCode::kUnavailable) << s.ToString();
   saver.join();
   EXPECT_EQ(cluster_[id].CaptureAt(1, std::chrono::seconds(1)).status().code(), StatusCode::kUnavailable);
+}
+
+TEST_F(PsCoreTest, ACaptureWaitingForAStepSurvivesARebalanceAndFailsWhenAPartitionLeaves) {
+  Job job;
+  Start(3, job);
+  RunStep(1, 2);
+  const std::vector<uint64_t> ids = cluster_.Live();
+  ASSERT_EQ(ids.size(), 3u);
+  // Every server waits for step 3 of its primaries.
+  std::vector<std::future<Result<Capture>>> waits;
+  for (uint64_t id : ids) {
+    waits.push_back(
+        std::async(std::launch::async, [this, id] { return cluster_[id].CaptureAt(3, std::chrono::seconds(30)); }));
+  }
+  for (uint64_t id : ids) {
+    ASSERT_TRUE(Eventually([&] { return cluster_[id].WaitingCaptures() == 1; }));
+  }
+  // A rebalance: primary and backup swap roles on the even partitions.
+  map_.set_version(map_.version() + 1);
+  for (auto& p : *map_.mutable_partitions()) {
+    if (p.id() % 2 == 0) {
+      const uint64_t primary = p.primary_member_id();
+      p.set_primary_member_id(p.backup_member_id());
+      p.set_backup_member_id(primary);
+    }
+  }
+  SetEpoch(2);
+  for (uint64_t id : ids) EXPECT_EQ(cluster_[id].WaitingCaptures(), 1u);
+  RunStep(2, 2);
+  const std::vector<float> at3 = RunStep(3, 2);
+  // Each server saved the partitions it was primary of when asked (as a
+  // backup now, for half of them), at step 3, and together they are the
+  // parameters of step 3.
+  std::map<uint32_t, PartitionState> saved;
+  for (auto& w : waits) {
+    auto capture = w.get();
+    ASSERT_TRUE(capture.ok()) << capture.status().ToString();
+    EXPECT_EQ(capture->step, 3u);
+    for (auto& p : capture->partitions) {
+      EXPECT_EQ(p.step, 3u) << p.id;
+      EXPECT_TRUE(saved.emplace(p.id, p).second) << "partition " << p.id << " saved twice";
+    }
+  }
+  ASSERT_EQ(saved.size(), Partitions());
+  for (const auto& [id, p] : saved) {
+    ASSERT_EQ(std::memcmp(p.weights.data(), at3.data() + p.begin, p.size() * sizeof(float)), 0) << id;
+  }
+
+  // A partition leaving a server fails that server's wait, naming it.
+  const uint64_t owner = map_.partitions(1).primary_member_id();
+  std::future<Result<Capture>> lost =
+      std::async(std::launch::async, [&] { return cluster_[owner].CaptureAt(5, std::chrono::seconds(30)); });
+  ASSERT_TRUE(Eventually([&] { return cluster_[owner].WaitingCaptures() == 1; }));
+  map_.set_version(map_.version() + 1);
+  auto* moved = map_.mutable_partitions(1);
+  for (uint64_t id : ids) {
+    if (id != owner && id != moved->backup_member_id()) moved->set_primary_member_id(id);
+  }
+  SetEpoch(3);
+  const auto result = lost.get();
+  EXPECT_EQ(result.status().code(), StatusCode::kAborted) << result.status().ToString();
+  EXPECT_NE(result.status().message().find("partition 1 moved to another server"), std::string::npos)
+      << result.status().ToString();
 }
 
 class CheckpointRoundTrip : public PsCoreTest, public ::testing::WithParamInterface<int> {};
