@@ -261,6 +261,7 @@ class Worker {
       options.epoch_wait = std::chrono::milliseconds(o["epoch_wait_ms"].cast<int64_t>());
     }
     options.resume_from = str("resume_from", "");
+    options.checkpoint_dir = str("checkpoint_dir", "");
     if (o.contains("overlap_parameter_landing")) {
       options.overlap_parameter_landing = o["overlap_parameter_landing"].cast<bool>();
     }
@@ -429,6 +430,21 @@ class Worker {
     record.parameter_bytes = r["parameter_bytes"].cast<uint64_t>();
     if (metrics_ != nullptr) metrics_->Record(record);
     return worker::ToJson(record);
+  }
+
+  // A rollback to a checkpoint since the last call (see
+  // Runtime::TakeRollback), counted in the metrics: None, or a dict of
+  // from, to, checkpoint and its progress line.
+  py::object TakeRollback() {
+    auto rollback = runtime().TakeRollback();
+    if (!rollback) return py::none();
+    if (metrics_ != nullptr) metrics_->Record(*rollback);
+    py::dict d;
+    d["from"] = rollback->from;
+    d["to"] = rollback->to;
+    d["checkpoint"] = rollback->checkpoint;
+    d["line"] = worker::ToJson(*rollback);
+    return d;
   }
 
   void RecordFailure() {
@@ -613,6 +629,7 @@ PYBIND11_MODULE(_tandem, m) {
       .def("save_checkpoint", &Worker::SaveCheckpoint)
       .def("record_step", &Worker::RecordStep)
       .def("record_failure", &Worker::RecordFailure)
+      .def("take_rollback", &Worker::TakeRollback)
       .def("completed_steps", [](Worker& w) { return w.runtime().completed_steps(); });
 
   m.def("read_checkpoint", &tandem::python::ReadCheckpoint, py::arg("dir"));

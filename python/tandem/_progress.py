@@ -102,6 +102,13 @@ class Progress:
             with open(self.progress_file, "a") as f:
                 f.write(line + "\n")
 
+    def rollback(self, rollback, rank):
+        # The epoch's rank 0 tells the progress file (`tandem run` counts
+        # rollbacks and steps redone from it).
+        if rank == 0 and self.progress_file:
+            with open(self.progress_file, "a") as f:
+                f.write(rollback["line"] + "\n")
+
     def checkpoint(self, plan, total):
         cfg = self.s.config
         if (

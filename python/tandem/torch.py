@@ -287,8 +287,12 @@ class Plan:
     ``samples`` (a ``range`` of global sample indices: this rank's contiguous
     share of the step's global batch ``[(step-1)*B, step*B)``), ``share``
     (``len(samples) / B``), ``resynced`` (parameters were reloaded for this
-    step: after a membership change) and ``attempt`` (0, or how many times
-    this step failed before).
+    step: after a membership change), ``attempt`` (0, or how many times
+    this step failed before) and ``rolled_back`` (None, or a dict with
+    ``from``, ``to`` and ``checkpoint`` when the job just went back to a
+    checkpoint because partitions lost both copies: the steps after ``to``
+    are yielded again, so a loop that reads ``plan.samples`` trains the
+    same samples).
     """
 
     def __init__(self, step, epoch, rank, world_size, dp_rank, dp_size, global_batch, resynced, attempt):
@@ -306,6 +310,7 @@ class Plan:
         self.share = len(self.samples) / global_batch
         self.resynced = resynced
         self.attempt = attempt
+        self.rolled_back = None
         # Filled in during the step.
         self.completed = False
         self.failed = False
@@ -415,10 +420,15 @@ def _distributed_steps(s, opt, total, batch):
                     raise
                 continue
             break
+        rollback = w.take_rollback()
+        if rollback is not None:
+            attempts.clear()
+            progress.rollback(rollback, raw.rank)
         attempt = attempts.get(raw.step, 0)
         plan = Plan(
             raw.step, raw.epoch, raw.rank, raw.world_size, raw.dp_rank, raw.dp_size, batch, raw.resynced, attempt
         )
+        plan.rolled_back = rollback
         s.plan = s.last_plan = plan
         opt._begin(plan)
         progress.sample_log(plan)
@@ -460,6 +470,9 @@ def _recording_scheduler_init(self, optimizer, *args, **kwargs):
     schedulers = getattr(optimizer, "_tandem_schedulers", None)
     if schedulers is not None:
         schedulers.append(weakref.ref(self))
+        # Where a rollback to a checkpoint starts them over from.
+        optimizer._tandem_scheduler_initial[self] = self.state_dict()
+        optimizer._tandem_initial_lrs = [g["lr"] for g in optimizer.param_groups]
 
 
 if not getattr(_scheduler_base.__init__, "_tandem", False):
@@ -494,6 +507,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._non_finite = non_finite
         self._tandem_schedule = bool(lr_schedule)
         self._tandem_schedulers = []
+        self._tandem_scheduler_initial = weakref.WeakKeyDictionary()
+        self._tandem_initial_lrs = None
         self._sync = True
         self._plan = None
         self._overlap = False
@@ -602,6 +617,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             "consistency": cfg.consistency,
             "staleness_bound": int(cfg.staleness_bound),
             "resume_from": resume_from or cfg.resume_from,
+            # Where the synchronous server modes roll back to when both copies of partitions are lost.
+            "checkpoint_dir": cfg.checkpoint_dir,
         }
         # Server modes: opt.step() returns once the parameters the next
         # forward reads first have landed; the rest land while it runs.
@@ -681,6 +698,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 sch.load_state_dict(sd)
             for g, lr in zip(self.param_groups, self._group_lrs):
                 g["lr"] = lr
+        if plan.rolled_back is not None:
+            # The job went back to a checkpoint: the schedulers start over
+            # and catch up to its step, as a worker that joins does.
+            for sch in schedulers:
+                initial = self._tandem_scheduler_initial.get(sch)
+                if initial is not None:
+                    sch.load_state_dict(initial)
+            if self._tandem_initial_lrs is not None:
+                for g, lr in zip(self.param_groups, self._tandem_initial_lrs):
+                    g["lr"] = lr
         if plan.resynced and self._mode != "allreduce":
             self._catch_up(schedulers, plan.step - 1)
         self._scheduler_states = [sch.state_dict() for sch in schedulers]

@@ -8,6 +8,7 @@ parameters (rank 0, or alone) to --out as raw fp32 in named_parameters order.
   --optimizer sgd|adamw|rmsprop   SGD with momentum 0.9 and Nesterov, AdamW with a
                                   no-decay group (biases) at twice the lr, or RMSprop
   --schedule                      a LambdaLR warmup stepping the wrapped optimizer
+  --decay                         with --schedule: the lr also decays by 10% every step after it
   --fail-at STEP                  raise ValueError on rank 1 at that step
   --bad NAME                      a bad input (see the --bad cases in main)
   --step-sleep S                  sleep S seconds in every step (membership changes land mid-run)
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--batch", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--schedule", action="store_true")
+    ap.add_argument("--decay", action="store_true")
     ap.add_argument("--fail-at", type=int, default=0)
     ap.add_argument("--bad", default="")
     ap.add_argument("--accumulate", type=int, default=1)
@@ -104,7 +106,8 @@ def main():
     opt = tt.DistributedOptimizer(inner, named_parameters=root.named_parameters(), mode=args.mode)
     sched = None
     if args.schedule:
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+        decay = 0.9 if args.decay else 1.0
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) * decay ** max(0, s - 3))
     if args.load_state:
         opt.load_state_dict(torch.load(args.load_state))
     if args.bad == "resize":

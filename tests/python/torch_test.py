@@ -210,6 +210,30 @@ class ElasticTest(unittest.TestCase):
         travel from a survivor to the worker that joins."""
         self.check_elastic("allreduce", ["--optimizer", "adamw", "--schedule"])
 
+    def test_every_server_killed_rolls_the_job_back_to_its_checkpoint(self):
+        """Both servers killed at once: every partition loses both copies,
+        and the workers roll the job back to its latest checkpoint (every 4
+        steps) and train the steps since again, with the same samples and
+        the learning-rate schedule back where it was: the result of one
+        process."""
+        work = tempfile.mkdtemp(prefix="tandem-torch-rollback-")
+        args = ["--optimizer", "adamw", "--schedule", "--decay"]
+        ref_out = os.path.join(work, "alone.bin")
+        self.assertEqual(run_alone(*args, "--steps", "16", "--out", ref_out).returncode, 0)
+        out = os.path.join(work, "rollback.bin")
+        p, summary = run_cluster(
+            work, args + ["--out", out, "--step-sleep", "0.1"], steps=16,
+            extra=["--train-checkpoint-every", "4", "--train-checkpoint-dir", os.path.join(work, "ckpt"),
+                   "--inject", "kill:servers@10"],
+        )
+        self.assertEqual(p.returncode, 0, p.stdout[-3000:] + p.stderr[-3000:])
+        self.assertTrue(summary["completed"], summary)
+        self.assertEqual(summary["rollbacks"], 1, summary)
+        self.assertGreaterEqual(summary["steps_redone"], 1, summary)
+        self.assertEqual(summary["server_steps_applied"], 16)
+        self.assertIn("rolled the job back from step", p.stdout + p.stderr)
+        torch.testing.assert_close(params(out), params(ref_out), rtol=1e-4, atol=1e-5)
+
     def check_elastic(self, mode, args, extra=()):
         work = tempfile.mkdtemp(prefix="tandem-torch-elastic-")
         log = os.path.join(work, "samples.jsonl")

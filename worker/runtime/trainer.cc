@@ -762,6 +762,16 @@ void TrainMetrics::Record(const StepRecord& record) {
   exposed_seconds.Increment(record.exposed_seconds);
 }
 
+void TrainMetrics::Record(const Runtime::Rollback& rollback) {
+  rollbacks.Increment();
+  steps_redone.Increment(static_cast<double>(rollback.from - rollback.to));
+}
+
+std::string ToJson(const Runtime::Rollback& r) {
+  return fmt::format("{{\"rollback\":true,\"from\":{},\"to\":{},\"checkpoint\":{},\"time\":{:.6f}}}", r.from, r.to,
+                     JsonQuote(r.checkpoint), WallSeconds());
+}
+
 std::string ToJson(const StepRecord& r) {
   return fmt::format(
       "{{\"step\":{},\"epoch\":{},\"loss\":{},\"tokens\":{},\"tokens_per_second\":{:.1f},\"step_seconds\":{:.6f},"
@@ -955,15 +965,9 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     if (auto rollback = runtime.TakeRollback()) {
       // Every rank learns it; the epoch's rank 0 tells the progress file.
-      if (metrics) {
-        metrics->rollbacks.Increment();
-        metrics->steps_redone.Increment(static_cast<double>(rollback->from - rollback->to));
-      }
+      if (metrics) metrics->Record(*rollback);
       if (progress != nullptr && plan->rank == 0) {
-        std::fprintf(progress, "%s\n",
-                     fmt::format("{{\"rollback\":true,\"from\":{},\"to\":{},\"checkpoint\":{},\"time\":{:.6f}}}",
-                                 rollback->from, rollback->to, JsonQuote(rollback->checkpoint), WallSeconds())
-                         .c_str());
+        std::fprintf(progress, "%s\n", ToJson(*rollback).c_str());
         std::fflush(progress);
       }
       completed_step = rollback->to;

@@ -79,6 +79,8 @@ struct StepRecord {
 };
 // The record as one JSON line (no newline).
 std::string ToJson(const StepRecord& record);
+// A rollback's progress line (no newline): {"rollback":true,"from":...}.
+std::string ToJson(const Runtime::Rollback& rollback);
 // Seconds since the Unix epoch (the progress file's and the sample log's "time").
 double WallSeconds();
 
@@ -102,6 +104,8 @@ struct TrainMetrics {
   prometheus::Counter& samples;
   prometheus::Counter& comm_seconds;
   prometheus::Counter& exposed_seconds;
+  // A rollback (Runtime::TakeRollback): rollbacks and steps_redone.
+  void Record(const Runtime::Rollback& rollback);
 };
 
 struct TrainerHooks {
