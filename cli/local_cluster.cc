@@ -302,6 +302,9 @@ Status LocalCluster::Launch(const std::string& binary, const std::string& name, 
   spec.name = name;
   spec.args = std::move(args);
   spec.args.insert(spec.args.end(), {"--log-level", o_.log_level});
+  if (!o_.trace.dir.empty()) {  // --trace: every process writes its timeline there
+    spec.args.insert(spec.args.end(), {"--trace-dir", o_.trace.dir, "--trace-steps", o_.trace.steps});
+  }
   spec.work_dir = work_dir_;
   spec.startup_timeout = o_.startup_timeout;
   if (node >= 0) {

@@ -31,6 +31,7 @@
 #include "cli/supervisor.h"
 #include "common/shutdown.h"
 #include "common/status.h"
+#include "common/trace.h"
 #include "worker/runtime/trainer.h"
 
 namespace tandem::cli {
@@ -69,6 +70,7 @@ struct ClusterOptions {
   RestartPolicy restart;                 // what the supervisor does with a process that ends on its own
   std::vector<Fault> faults;             // --inject
   std::optional<ChaosSpec> chaos;        // --chaos: faults drawn from a seed (after `faults`)
+  trace::Config trace;                   // --trace DIR, --trace-steps: every process started traces into DIR
 };
 
 // A fault the run injected, and what came of it.

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "cli/trace_merge.h"
 #include "tandem/config.h"
 
 namespace {
@@ -34,6 +35,8 @@ Commands:
   checkpoint the parameter servers' checkpoints: 'tandem checkpoint save|restore' (every server of a job's
              active epoch, a consistent cut at one step); 'tandem checkpoint verify PATH' (offline check)
   ps         'tandem ps stats': every parameter server's partitions, step, state, lag and last checkpoint
+  trace      'tandem trace merge DIR -o trace.json': join a traced run's files (tandem run --trace DIR) into one
+             timeline for Perfetto or chrome://tracing, clocks aligned, pushes linked to their updates
   version    print the version
 
 Run 'tandem COMMAND --help' for a command's flags.
@@ -80,6 +83,7 @@ int main(int argc, char** argv) {
     fmt::print(help ? stdout : stderr, "tandem ps: name a subcommand: stats (it takes --help)\n");
     return help ? 0 : 2;
   }
+  if (command == "trace") return tandem::cli::TraceCommand(argc - 1, argv + 1);
   if (command == "bench") {
     if (argc >= 3 && std::strcmp(argv[2], "coordinator") == 0) {
       return tandem::cli::BenchCoordinatorCommand(argc - 2, argv + 2);

@@ -3,6 +3,7 @@
 // (or, with --script, a user's PyTorch script: cli/script_workers.h) with a
 // live progress line, and stops everything cleanly at the end, on Ctrl-C or
 // on a failure (cli/local_cluster.h). --summary writes the result as JSON.
+#include <filesystem>
 #include <fstream>
 
 #include "cli/commands.h"
@@ -12,6 +13,7 @@
 #include "common/config.h"
 #include "common/logging.h"
 #include "common/shutdown.h"
+#include "common/trace.h"
 
 namespace tandem::cli {
 
@@ -95,6 +97,15 @@ int RunCommand(int argc, char** argv) {
   options.Duration("describe_timeout", &o.script.describe_timeout,
                    "how long --script may take to create its tandem.torch.DistributedOptimizer in describe mode",
                    std::chrono::milliseconds(1000), std::chrono::hours(24));
+  options.String("trace", &o.trace.dir,
+                 "write a timeline trace of every process into this directory (one file per process; join them "
+                 "with `tandem trace merge DIR -o trace.json` and open that in Perfetto)");
+  options.String("trace_steps", &o.trace.steps,
+                 "with --trace: the steps traced, A:B (both included), A: (from A on), :B or S (default: every step)");
+  options.AddCheck([&o]() -> Status {
+    auto range = trace::ParseStepRange(o.trace.steps);
+    return range.ok() ? Status::Ok() : range.status();
+  });
   worker::DeclareTrainOptions(options, &o.train, /*job_keys=*/false);
   options.SetEpilog(
       "The model, optimizer and communication options (train.*) are the workers' own; see tandem-worker --help.\n"
@@ -148,6 +159,7 @@ int RunCommand(int argc, char** argv) {
     }
   }
 
+  if (!o.trace.dir.empty()) o.trace.dir = std::filesystem::absolute(o.trace.dir).string();  // the daemons' cwd differs
   auto summary = RunLocalTraining(o, shutdown);
   if (!summary.ok()) {
     fmt::print(stderr, "tandem run: {}\n", summary.status().message());
@@ -214,6 +226,10 @@ int RunCommand(int argc, char** argv) {
     fmt::print("  the servers disagree on their updates: {}\n", s.server_steps_detail);
   }
   if (!s.checkpoint.empty()) fmt::print("  last checkpoint: {}\n", s.checkpoint);
+  if (!o.trace.dir.empty()) {
+    fmt::print("  trace: {} (tandem trace merge {} -o trace.json, then open trace.json in Perfetto)\n", o.trace.dir,
+               o.trace.dir);
+  }
   if (!summary_file.empty()) {
     std::ofstream out(summary_file, std::ios::trunc);
     out << SummaryJson(s);

@@ -129,10 +129,22 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     auto labels = identity;
+    int64_t rank_now = -1;
     if (const auto rank = session->rank()) {
       labels["rank"] = std::to_string(rank->global_rank());
+      rank_now = rank->global_rank();
     } else if (const auto server = ServerRank(epoch, session->member_id())) {
       labels["rank"] = std::to_string(*server);
+      rank_now = *server;
+    }
+    if (trace::On()) {  // a membership event on this member's timeline
+      trace::SetProcessInfo("member_id", static_cast<int64_t>(session->member_id()));
+      trace::SetProcessInfo("rank", rank_now);
+      trace::Instant("epoch", "membership", trace::Now(), 0,
+                     {{"epoch", static_cast<int64_t>(epoch.epoch())},
+                      {"rank", rank_now},
+                      {"workers", static_cast<int64_t>(epoch.worker_count())},
+                      {"servers", static_cast<int64_t>(epoch.server_count())}});
     }
     if (auto* now = &info_family.Add(labels); now != info) {
       info_family.Remove(info);
@@ -152,6 +164,10 @@ Result<std::unique_ptr<CoordinatorLink>> CoordinatorLink::Start(const Coordinato
   };
   // Not reachable until the first registration succeeds.
   options.on_connection(false, "not registered yet");
+  if (trace::On()) {
+    trace::SetProcessInfo("node", options.node.node_id());
+    link->clock_ = std::make_unique<trace::ClockSampler>(channel);
+  }
   link->session_ = std::make_unique<MemberSession>(std::move(channel), std::move(options));
   link->published_.store(link->session_.get(), std::memory_order_release);
   return link;

@@ -20,6 +20,7 @@
 
 #include "common/daemon.h"
 #include "common/member_session.h"
+#include "common/trace_clock.h"
 
 namespace tandem {
 
@@ -77,6 +78,8 @@ class CoordinatorLink {
  private:
   CoordinatorLink() = default;
   std::unique_ptr<MemberSession> session_;
+  // While tracing: round trips to the coordinator's trace clock (trace_clock.h).
+  std::unique_ptr<trace::ClockSampler> clock_;
   // session_ once constructed, for the session's own callbacks.
   std::atomic<MemberSession*> published_{nullptr};
 };

@@ -9,6 +9,7 @@
 
 #include "common/health.h"
 #include "common/logging.h"
+#include "common/trace_clock.h"
 #include "tandem/config.h"
 
 namespace tandem {
@@ -26,6 +27,7 @@ void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config) {
   options.String("ready_file", &config->ready_file,
                  "file written (JSON) once serving, with the bound addresses; removed at exit");
   DeclareTlsOptions(options, &config->tls);
+  trace::DeclareOptions(options, &config->trace);
 }
 
 Daemon::Daemon(std::string role, DaemonConfig config)
@@ -155,9 +157,16 @@ Result<std::unique_ptr<RunningDaemon>> RunningDaemon::Start(const std::vector<st
     if (running->started_ && spec.stopping) spec.stopping(daemon);
     running->stopped_ = true;
     daemon.Stop();
+    trace::Stop();
     return Status(s.code() == StatusCode::kInvalidArgument ? StatusCode::kFailedPrecondition : s.code(),
                   fmt::format("{}: {}", what, s.message()));
   };
+  if (Status s = trace::Start(config.trace, spec.role, daemon.config().name); !s.ok()) {
+    return fail(s, "cannot start");
+  }
+  trace::SetThreadName("main");
+  // Every daemon answers trace-clock round trips (a traced member measures its coordinator's clock).
+  daemon.AddService("tandem.v1.TraceClock", trace::TraceClockService::Get());
   if (spec.setup) {
     if (Status s = spec.setup(daemon); !s.ok()) return fail(s, "setup failed");
   }
@@ -183,6 +192,7 @@ Status RunningDaemon::Shutdown() {
     const auto begin = std::chrono::steady_clock::now();
     if (started_ && stopping_) stopping_(daemon_);
     daemon_.Stop();
+    trace::Stop();
     const auto took = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - begin);
     if (Status failed = daemon_.failure(); !failed.ok()) {
       spdlog::error("stopped after a failure: {}", failed.ToString());

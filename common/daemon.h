@@ -28,6 +28,7 @@
 #include "common/metrics.h"
 #include "common/mutex.h"
 #include "common/shutdown.h"
+#include "common/trace.h"
 
 namespace tandem {
 
@@ -40,6 +41,7 @@ struct DaemonConfig {
   std::string log_level = "info";
   std::string ready_file;  // written once serving; empty: none
   TlsConfig tls;
+  trace::Config trace;  // trace.dir, trace.steps: a timeline trace of this process (common/trace.h)
 };
 
 void DeclareDaemonOptions(OptionSet& options, DaemonConfig* config);

@@ -61,6 +61,13 @@
 //
 // Errors: a reply whose `status` is not 0 carries a StatusCode and, as its
 // payload, the message (UTF-8, at most 4 KiB).
+//
+// Tracing: `trace_hi` and `trace_lo` (the bytes that were reserved, so the
+// layout is unchanged and a peer that ignores them is unaffected) carry a
+// 48-bit correlation id, 0 when the sender does not trace the request's step.
+// A traced worker sets it on its pushes and pulls; the server records it with
+// its spans and echoes it in the reply, so a trace links a push to the
+// server's update and a pull to its answer (common/trace.h).
 #pragma once
 
 #include <bit>
@@ -113,12 +120,23 @@ struct Frame {
   double value = 0;
   uint64_t version = 0;
   uint16_t flags = 0;
-  uint16_t reserved0 = 0;
-  uint32_t reserved1 = 0;
+  uint16_t trace_hi = 0;  // the correlation id's high 16 bits (Correlation)
+  uint32_t trace_lo = 0;  // and its low 32
 };
 static_assert(sizeof(Frame) == 80, "Frame is 80 bytes on the wire");
 static_assert(offsetof(Frame, contributor) == 48 && offsetof(Frame, contributors) == 52 && offsetof(Frame, value) == 56,
               "the wire layout of Frame");
+static_assert(offsetof(Frame, flags) == 72 && offsetof(Frame, trace_hi) == 74 && offsetof(Frame, trace_lo) == 76,
+              "the wire layout of Frame's tail");
+
+// The frame's trace correlation id (48 bits; 0: none).
+inline uint64_t Correlation(const Frame& frame) {
+  return static_cast<uint64_t>(frame.trace_hi) << 32 | frame.trace_lo;
+}
+inline void SetCorrelation(Frame& frame, uint64_t id) {
+  frame.trace_hi = static_cast<uint16_t>(id >> 32);
+  frame.trace_lo = static_cast<uint32_t>(id);
+}
 
 // A kReplica frame's learning rate (see kReplica above): the double's bits,
 // low half in `contributor`, high half in `contributors`.
@@ -151,6 +169,8 @@ inline Frame ReplyTo(const Frame& request, FrameType type) {
   reply.step = request.step;
   reply.request_id = request.request_id;
   reply.contributor = request.contributor;
+  reply.trace_hi = request.trace_hi;
+  reply.trace_lo = request.trace_lo;
   return reply;
 }
 

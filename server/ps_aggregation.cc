@@ -12,6 +12,7 @@
 #include "common/crc32c.h"
 #include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
+#include "common/trace.h"
 #include "server/checkpoint/checkpoint.h"
 #include "server/ps_core.h"
 #include "server/ps_core_internal.h"
@@ -218,6 +219,11 @@ void ParameterStore::RefusePush(PushIn& in, const Status& status) {
 void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy) {
   const uint64_t from = in.from;
   const ps::Frame& h = in.h;
+  // Taking the push in (folding it, acknowledging it) on the server's timeline.
+  trace::Span span("push", "ps", h.step);
+  span.Add("partition", h.partition);
+  span.Add("contributor", h.contributor);
+  span.Add("corr", static_cast<int64_t>(ps::Correlation(h)));
   MutexLock plock(&part.mu);
   Reply& reply = in.reply;
   const uint64_t epoch = in.epoch;
@@ -302,6 +308,16 @@ void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy
     plock.Unlock();
     reply(ok, {});
     return;
+  }
+  if (trace::StepOn(h.step)) {
+    // The aggregation's wait, from the first contribution to this, the last,
+    // on the partition's own track (aggregations of partitions overlap).
+    trace::CompleteOnTrack("partition", h.partition, "aggregation", "ps", trace::FromSteady(part.first_push),
+                           trace::Now(), h.step,
+                           {{"partition", h.partition},
+                            {"last_contributor", h.contributor},
+                            {"contributors", h.contributors},
+                            {"last_member", static_cast<int64_t>(from)}});
   }
   // The push is in: it is acknowledged before the step's scan and update,
   // which follow on this thread (the reply leaves first: SendReply). The
@@ -474,6 +490,11 @@ void ParameterStore::ScanStep(uint64_t epoch, uint64_t step) {
 }
 
 void ParameterStore::ApplyLocked(Part& part, const float* grad, double grad_scale, double lr) {
+  // The optimizer's update of the partition (of the step after the partition's last).
+  trace::Span span("update", "ps", part.state.step + 1);
+  span.Add("partition", part.state.id);
+  span.Add("elements", static_cast<int64_t>(part.state.size()));
+  span.Add("backup", part.role == v1::REPLICA_ROLE_BACKUP);
   const auto start = std::chrono::steady_clock::now();
   UnlendLocked(part, /*keep_values=*/true);
   const uint64_t update_index = part.state.version - 1;
@@ -560,6 +581,8 @@ void ParameterStore::MaybeDecide(uint64_t epoch, uint64_t step, Actions& actions
 }
 
 void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, Actions& actions) {
+  trace::Span span("decide", "ps", step);
+  span.Add("epoch", static_cast<int64_t>(epoch));
   double total = 0;
   bool finite = true;
   for (const auto& [id, e] : round.entries) {

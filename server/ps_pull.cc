@@ -11,6 +11,7 @@
 #include "common/crc32c.h"
 #include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
+#include "common/trace.h"
 #include "server/checkpoint/checkpoint.h"
 #include "server/ps_core.h"
 #include "server/ps_core_internal.h"
@@ -47,6 +48,15 @@ void ParameterStore::AnswerPullLocked(Part& part, const PendingPull& pull, Actio
   } else {
     body.owned.resize(WireBytes(dtype, n));
     EncodeWire(body.owned.data(), part.state.weights.data(), dtype, n);
+  }
+  if (const uint64_t corr = ps::Correlation(pull.header); corr != 0 && trace::On()) {
+    // The pull's answer (the puller traces its step): links to its request.
+    const int64_t now = trace::Now();
+    trace::Complete("pull_answer", "ps", now, now, pull.header.step,
+                    {{"partition", part.state.id},
+                     {"corr", static_cast<int64_t>(corr)},
+                     {"version", static_cast<int64_t>(part.state.version)},
+                     {"bytes", static_cast<int64_t>(body.size())}});
   }
   ps::Frame reply = ps::ReplyTo(pull.header, ps::FrameType::kPullReply);
   reply.dtype = pull.header.dtype;
@@ -106,6 +116,11 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
     start_step = start_step_;
   }
   std::shared_ptr<Part> part = *checked;
+  if (const uint64_t corr = ps::Correlation(h); corr != 0 && trace::On()) {
+    const int64_t now = trace::Now();
+    trace::Complete("pull_recv", "ps", now, now, h.step,
+                    {{"partition", h.partition}, {"corr", static_cast<int64_t>(corr)}});
+  }
   Actions actions;
   {
     MutexLock plock(&part->mu);

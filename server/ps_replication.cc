@@ -11,6 +11,7 @@
 #include "common/crc32c.h"
 #include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
+#include "common/trace.h"
 #include "server/checkpoint/checkpoint.h"
 #include "server/ps_core.h"
 #include "server/ps_core_internal.h"
@@ -39,8 +40,13 @@ void ParameterStore::ReplicateLocked(Part& part, ps::Frame header, std::shared_p
   const uint64_t step = header.step;
   const uint64_t epoch = header.epoch;
   const uint64_t backup = part.backup;
-  actions.push_back([this, backup, header, grad = std::move(grad), id, step, epoch] {
-    links_->SendToBackup(backup, header, grad, [this, id, step, epoch](const Status& status) {
+  const int64_t trace_start = trace::StepOn(step) ? trace::Now() : 0;
+  actions.push_back([this, backup, header, grad = std::move(grad), id, step, epoch, trace_start] {
+    links_->SendToBackup(backup, header, grad, [this, id, step, epoch, backup, trace_start](const Status& status) {
+      if (trace_start != 0) {  // on the partition's track, from the send to the backup's answer
+        trace::CompleteOnTrack("partition", id, "replicate", "ps", trace_start, trace::Now(), step,
+                               {{"partition", id}, {"backup", static_cast<int64_t>(backup)}, {"ok", status.ok()}});
+      }
       OnReplicated(id, step, epoch, status, false);
     });
   });

@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "common/member_session.h"
+#include "common/trace.h"
 
 namespace tandem::worker {
 namespace {
@@ -220,6 +221,13 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
   op->bytes_ = bytes;
   op->sent_ = std::chrono::steady_clock::now();
   header.request_id = next_request_.fetch_add(1);
+  // Traced: the request carries a correlation id, and its posting is a span.
+  const bool traced = trace::StepOn(header.step);
+  const int64_t trace_start = traced ? trace::Now() : 0;
+  if (traced) {
+    op->corr_ = trace::NewCorrelation();
+    ps::SetCorrelation(header, op->corr_);
+  }
   {
     MutexLock lock(&group->mu);
     group->ops[header.request_id] = op;
@@ -245,6 +253,13 @@ std::shared_ptr<PsOp> PsClient::Start(ps::Frame header, const void* data, size_t
     }
     if (failed) failed->Complete(failed->reply_, sent);
   });
+  if (traced) {
+    trace::Complete(header.type == ps::FrameType::kPush ? "push" : "pull", "ps", trace_start, trace::Now(), header.step,
+                    {{"partition", header.partition},
+                     {"server", op->server_},
+                     {"corr", static_cast<int64_t>(op->corr_)},
+                     {"bytes", static_cast<int64_t>(header.type == ps::FrameType::kPush ? bytes : dst_bytes)}});
+  }
   return op;
 }
 
@@ -292,6 +307,16 @@ void PsClient::OnFrame(const std::shared_ptr<Group>& group, int rank, const ps::
     if (it == group->ops.end()) return;  // a reply to something dropped
     op = it->second;
     group->ops.erase(it);
+  }
+  if (op->corr_ != 0) {  // the reply's arrival, on this worker's timeline
+    const int64_t now = trace::Now();
+    trace::Complete(
+        h.type == ps::FrameType::kPushReply ? "push_reply" : "pull_reply", "ps", now, now, h.step,
+        {{"partition", h.partition},
+         {"corr", static_cast<int64_t>(op->corr_)},
+         {"status", h.status},
+         {"round_trip_ns",
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - op->sent_).count()}});
   }
   Status status = ps::ReplyStatus(h, payload);
   if (status.ok() && h.type == ps::FrameType::kPullReply && payload != op->dst_) {

@@ -76,6 +76,8 @@ class PsOp {
   // After completion: the reply's header (flags: ps::kFlagDuplicate for an
   // ignored push; step and version of a pull).
   const ps::Frame& reply() const { return reply_; }
+  // The request's trace correlation id (ps::Correlation; 0: not traced).
+  uint64_t correlation() const { return corr_; }
 
  private:
   friend class PsClient;
@@ -95,6 +97,7 @@ class PsOp {
   uint32_t server_ = 0;  // the server's rank among the epoch's servers
   size_t bytes_ = 0;     // pushes: the payload sent
   std::chrono::steady_clock::time_point sent_;
+  uint64_t corr_ = 0;
 };
 
 class PsClient {

@@ -9,6 +9,7 @@
 
 #include "common/optimizer/gradient.h"
 #include "worker/runtime/step.h"
+#include "worker/runtime/trace_spans.h"
 
 namespace tandem::worker {
 
@@ -146,17 +147,25 @@ Status Runtime::ServerStep::PlanBuckets(const DataPlane::EpochView& view) {
 Status Runtime::AllReduceStep::RunBucket(Bucket& b) {
   const size_t count = b.end - b.begin;
   float* g = rt_.grads_.data() + b.begin;
+  const int64_t start = TraceStart(rt_.step_);
   if (rt_.options_.gradient_wire == v1::WIRE_DTYPE_BF16) {
     optim::EncodeWire(b.wire_out.data(), g, v1::WIRE_DTYPE_BF16, count);
-    TANDEM_RETURN_IF_ERROR(
-        rt_.dp_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum));
+    Status reduced =
+        rt_.dp_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum);
+    TraceCollective("allreduce", *rt_.dp_, rt_.step_, start, count * sizeof(uint16_t), reduced.ok());
+    TANDEM_RETURN_IF_ERROR(reduced);
     optim::AccumulateWire(g, b.wire_out.data(), v1::WIRE_DTYPE_BF16, count, /*overwrite=*/true);
     return Status::Ok();
   }
-  return rt_.dp_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  Status reduced = rt_.dp_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  TraceCollective("allreduce", *rt_.dp_, rt_.step_, start, count * sizeof(float), reduced.ok());
+  return reduced;
 }
 
 Status Runtime::ServerStep::RunBucket(Bucket& b) {
+  trace::Span span("bucket", "step", rt_.step_);
+  span.Add("elements", static_cast<int64_t>(b.end - b.begin));
+  span.Add("partitions", static_cast<int64_t>(b.partitions.size()));
   const int local = LocalRanks();
   if (local > 1 || rt_.sharded_) {
     // Pack: local rank j's partitions side by side in block j (a partition
@@ -173,8 +182,11 @@ Status Runtime::ServerStep::RunBucket(Bucket& b) {
     // Straight into this rank's share when it fills the block (no copy);
     // through one block of scratch when its share is smaller.
     float* out = b.share == b.block ? b.mine.data() : block_scratch_.data();
-    TANDEM_RETURN_IF_ERROR(
-        rt_.node_->ReduceScatter(staging_.data(), out, b.block, comm::DType::kFloat32, comm::ReduceOp::kSum));
+    const int64_t start = TraceStart(rt_.step_);
+    Status reduced =
+        rt_.node_->ReduceScatter(staging_.data(), out, b.block, comm::DType::kFloat32, comm::ReduceOp::kSum);
+    TraceCollective("reduce_scatter", *rt_.node_, rt_.step_, start, b.block * local * sizeof(float), reduced.ok());
+    TANDEM_RETURN_IF_ERROR(reduced);
     if (out != b.mine.data()) std::copy_n(out, b.share, b.mine.begin());
   }
   for (auto& o : b.owned) {
@@ -240,6 +252,9 @@ Status Runtime::ServerStep::FinishPushes() {
   for (auto& bp : rt_.buckets_) {
     Bucket& b = *bp;
     for (size_t i = 0; i < b.pushes.size(); ++i) {
+      trace::Span wait("push_wait", "ps", rt_.step_);
+      wait.Add("partition", b.owned[i].partition);
+      wait.Add("corr", static_cast<int64_t>(b.pushes[i]->correlation()));
       Status pushed = b.pushes[i]->Wait(rt_.options_.timeout);
       if (!pushed.ok())
         return pushed.WithContext(fmt::format("step {}: pushing partition {}", rt_.step_, b.owned[i].partition));
@@ -250,9 +265,15 @@ Status Runtime::ServerStep::FinishPushes() {
 }
 
 Status Runtime::ServerStep::LandBucket(Bucket& b, uint64_t step) {
+  trace::Span span("land", "step", step);
+  span.Add("elements", static_cast<int64_t>(b.end - b.begin));
   for (size_t i = 0; i < b.pulls.size(); ++i) {
     const auto& o = b.owned[i];
+    trace::Span wait("pull_wait", "ps", step);
+    wait.Add("partition", o.partition);
+    wait.Add("corr", static_cast<int64_t>(b.pulls[i]->correlation()));
     Status pulled = b.pulls[i]->Wait(rt_.options_.timeout);
+    wait.End();
     if (!pulled.ok()) return pulled.WithContext(fmt::format("step {}: pulling partition {}", step, o.partition));
     if (rt_.options_.parameter_wire == v1::WIRE_DTYPE_BF16) {
       optim::AccumulateWire(o.param, b.wire_in.data() + o.wire_offset, v1::WIRE_DTYPE_BF16, o.count, true);
@@ -269,7 +290,10 @@ Status Runtime::ServerStep::LandBucket(Bucket& b, uint64_t step) {
       std::copy(b.pulled.begin(), b.pulled.end(), block_scratch_.begin());
       in = block_scratch_.data();
     }
-    TANDEM_RETURN_IF_ERROR(rt_.node_->AllGather(in, staging_.data(), b.block, comm::DType::kFloat32));
+    const int64_t start = TraceStart(step);
+    Status gathered = rt_.node_->AllGather(in, staging_.data(), b.block, comm::DType::kFloat32);
+    TraceCollective("all_gather", *rt_.node_, step, start, b.block * LocalRanks() * sizeof(float), gathered.ok());
+    TANDEM_RETURN_IF_ERROR(gathered);
     for (size_t k = 0; k < b.partitions.size(); ++k) {
       const size_t owner = b.owner[k];
       std::memcpy(rt_.params_.data() + b.cuts[k].first, staging_.data() + owner * b.block + b.slot[k] + b.cut_offset[k],

@@ -8,6 +8,7 @@
 
 #include "worker/runtime/buckets.h"
 #include "worker/runtime/step.h"
+#include "worker/runtime/trace_spans.h"
 
 namespace tandem::worker {
 
@@ -16,9 +17,16 @@ using runtime_internal::Seconds;
 
 Status Runtime::Acquire(std::pair<size_t, size_t> now, std::pair<size_t, size_t> next) {
   if (now.first >= now.second) return Status::Ok();
+  const uint64_t step = in_step_ ? step_ : 0;
+  const int64_t trace_start = TraceStart(step);
   const auto start = Clock::now();
   Status status = sharded_ ? AcquireSharded(now, next) : AwaitLanding(now);
   parameter_wait_ += Seconds(Clock::now() - start);
+  // Only a real wait is a span (most segments' parameters are there already).
+  if (const int64_t end = trace_start != 0 ? trace::Now() : 0; end - trace_start > 2000) {
+    trace::Complete("param_wait", "step", trace_start, end, step,
+                    {{"begin", static_cast<int64_t>(now.first)}, {"end", static_cast<int64_t>(now.second)}});
+  }
   return status;
 }
 
@@ -93,9 +101,11 @@ Status Runtime::Gather(GatherPlan& plan) {
     std::memcpy(gathers_.send.data() + plan.slot[j], b->pulled.data() + b->slot[k],
                 (b->ranges[k].second - b->ranges[k].first) * sizeof(float));
   }
-  TANDEM_RETURN_IF_ERROR(
-      node_->AllGather(gathers_.send.data(), gathers_.staging.data(), plan.block, comm::DType::kFloat32)
-          .WithContext("gathering parameters from the node's workers (sharded placement)"));
+  const int64_t start = TraceStart(step_);
+  Status gathered = node_->AllGather(gathers_.send.data(), gathers_.staging.data(), plan.block, comm::DType::kFloat32);
+  TraceCollective("gather", *node_, step_, start, plan.block * static_cast<size_t>(node_->size()) * sizeof(float),
+                  gathered.ok());
+  TANDEM_RETURN_IF_ERROR(gathered.WithContext("gathering parameters from the node's workers (sharded placement)"));
   for (size_t j = 0; j < plan.parts.size(); ++j) {
     const auto [b, k] = plan.parts[j];
     const size_t owner = b->owner[k];

@@ -4,6 +4,9 @@
 #include <algorithm>
 #include <chrono>
 #include <map>
+#include <optional>
+
+#include "common/trace.h"
 
 namespace tandem::worker {
 namespace {
@@ -12,6 +15,26 @@ using Clock = std::chrono::steady_clock;
 
 double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();
+}
+
+// The span of a send or receive in a trace (null: forward and backward).
+const char* TraceName(PipeOp::Kind kind) {
+  switch (kind) {
+    case PipeOp::kRecvActivation:
+      return "recv_activation";
+    case PipeOp::kSendActivation:
+      return "send_activation";
+    case PipeOp::kRecvGradient:
+      return "recv_gradient";
+    case PipeOp::kSendGradient:
+      return "send_gradient";
+    case PipeOp::kSendActivationRecvGradient:
+      return "send_activation_recv_gradient";
+    case PipeOp::kSendGradientRecvActivation:
+      return "send_gradient_recv_activation";
+    default:
+      return nullptr;
+  }
 }
 
 const char* KindName(PipeOp::Kind kind) {
@@ -125,9 +148,17 @@ Result<PipelineTiming> RunPipeline(comm::Communicator& pp, const std::vector<Pip
     held.erase(it);
     return Status::Ok();
   };
+  const uint64_t step = trace::ThreadStep();
   for (const PipeOp& op : ops) {
     Status status;
     const auto dt = comm::DType::kFloat32;
+    // Sends and receives on the step's timeline (forward and backward are the trainer's spans).
+    std::optional<trace::Span> span;
+    if (const char* name = TraceName(op.kind); name != nullptr && trace::StepOn(step)) {
+      span.emplace(name, "pipeline", step);
+      span->Add("micro", op.micro);
+      span->Add("stage", stage);
+    }
     switch (op.kind) {
       case PipeOp::kRecvActivation:
         status = pp.Recv(stage - 1, input.data(), elements, dt);

@@ -14,6 +14,7 @@
 #include "common/failpoint.h"
 #include "worker/runtime/buckets.h"
 #include "worker/runtime/step.h"
+#include "worker/runtime/trace_spans.h"
 
 namespace tandem::worker {
 
@@ -374,6 +375,8 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   Status status;
   double busy = 0;
   {
+    // The step's exposed communication: what backward did not hide.
+    trace::Span span("end_step_wait", "step", step_);
     MutexLock lock(&mu_);
     cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return finished_ >= complete; });
     // A bucket landing after `complete` may have failed meanwhile: the step
@@ -428,7 +431,11 @@ Status Runtime::ReduceLoss() {
     loss_out_[0] = loss_in_[0] * static_cast<float>(std::max<uint32_t>(1, view_->epoch.mesh().dp()));
     return Status::Ok();
   }
-  return world_->AllReduce(loss_in_.data(), loss_out_.data(), figures_, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  const int64_t start = TraceStart(step_);
+  Status reduced =
+      world_->AllReduce(loss_in_.data(), loss_out_.data(), figures_, comm::DType::kFloat32, comm::ReduceOp::kSum);
+  TraceCollective("loss_allreduce", *world_, step_, start, figures_ * sizeof(float), reduced.ok());
+  return reduced;
 }
 
 Status Runtime::AllReduceBetweenSteps(float* values, size_t count) {
@@ -558,6 +565,7 @@ Status Runtime::Settle() {
 }
 
 void Runtime::CommLoop() {
+  trace::SetThreadName("comm");
   MutexLock lock(&mu_);
   while (true) {
     cv_.Wait(lock, [&]() TANDEM_REQUIRES(mu_) { return quit_ || !queue_.empty(); });

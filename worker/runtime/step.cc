@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <iterator>
 
+#include "common/trace.h"
 #include "worker/runtime/buckets.h"
 
 namespace tandem::worker {
@@ -50,6 +51,7 @@ Status Runtime::AllReduceStep::Apply(StepResult& result) {
     local_->set_updates(local_->updates() + 1);  // the caller applies it
     return Status::Ok();
   }
+  trace::Span span("optimizer", "compute", rt_.step_);
   const auto t0 = Clock::now();
   LocalOptimizer::NormCombiner combine;
   if (rt_.stages_ * rt_.tp_size_ > 1) {

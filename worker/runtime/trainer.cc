@@ -17,6 +17,7 @@
 
 #include "common/failpoint.h"
 #include "common/json.h"
+#include "common/trace.h"
 #include "worker/data/dataset.h"
 #include "worker/data/sampler.h"
 #include "worker/runtime/pipeline.h"
@@ -160,11 +161,17 @@ Result<Share> ComputeShare(Setup& s, uint64_t step, uint32_t dp_rank, uint32_t d
   const size_t micro = shard->counts.size();
   for (size_t m = 0; m < micro; ++m) {
     const int count = shard->counts[m];
+    trace::Span forward("forward", "compute", step);
+    forward.Add("micro", static_cast<int64_t>(m));
+    forward.Add("samples", count);
     auto loss = s.model->Forward(s.micro_tokens[m].data(), s.micro_targets[m].data(), count);
+    forward.End();
     if (!loss.ok()) return loss.status();
     const double weight = static_cast<double>(count) / static_cast<double>(shard->batch);
     share.loss_share += *loss * weight;
     const bool last = m + 1 == micro;
+    trace::Span backward("backward", "compute", step);
+    backward.Add("micro", static_cast<int64_t>(m));
     TANDEM_RETURN_IF_ERROR(s.model->Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
                                              static_cast<float>(weight), last ? on_ready : nullptr));
   }
@@ -198,6 +205,9 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
   };
   StageCompute compute;
   compute.forward = [&](int m, const float* input) -> Result<std::span<const float>> {
+    trace::Span span("forward", "compute", plan.step);
+    span.Add("micro", m);
+    span.Add("stage", stage);
     const auto i = static_cast<size_t>(m);
     auto loss = s.model->Forward(s.micro_tokens[i].data(), s.micro_targets[i].data(), counts[i], m % slots, input);
     if (!loss.ok()) return loss.status();
@@ -208,6 +218,9 @@ Result<Share> ComputePipelineShare(Setup& s, const StepPlan& plan, PipelineSched
     return s.model->output(m % slots);
   };
   compute.backward = [&](int m, const float* output_grad) -> Result<std::span<const float>> {
+    trace::Span span("backward", "compute", plan.step);
+    span.Add("micro", m);
+    span.Add("stage", stage);
     TANDEM_RETURN_IF_ERROR(s.model->Backward(m == 0 ? model::GradMode::kOverwrite : model::GradMode::kAccumulate,
                                              static_cast<float>(weight(m)), m + 1 == micro ? on_ready : nullptr,
                                              m % slots, output_grad));
@@ -906,6 +919,7 @@ void RunCheckpoints::Save(uint64_t step, bool last) {
 }
 
 Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& hooks) {
+  trace::SetThreadName("train");
   auto setup = Prepare(config, /*create_model=*/false);
   if (!setup.ok()) return setup.status();
   auto options = RuntimeOptionsOf(config);
@@ -1022,6 +1036,11 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     const auto t0 = Clock::now();
     const double started = WallSeconds();
+    // The step on this worker's timeline: its computation, then EndStep.
+    trace::SetThreadStep(plan->step);
+    trace::Span step_span("step", "step", plan->step);
+    step_span.Add("epoch", static_cast<int64_t>(plan->epoch));
+    step_span.Add("rank", plan->rank);
     const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
     PipelineTiming timing;
     auto share = plan->stages > 1 ? ComputePipelineShare(*setup, *plan, *schedule, ready, &timing)
