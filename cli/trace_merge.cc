@@ -42,6 +42,10 @@ struct ProcessTrace {
   std::map<std::string, std::vector<trace::ClockSample>> clock;  // by reference
   std::vector<Event> events;
   bool ended = false;
+  // The rank the track is labelled with: a worker's in its first traced
+  // step, else the first one the process learned (ranks change with
+  // membership, and a run's end changes them all). -1: none.
+  int64_t rank = -1;
   std::string Info(const std::string& key) const {
     auto it = info.find(key);
     return it != info.end() && it->second.type == JValue::kString ? it->second.s : std::string();
@@ -79,6 +83,7 @@ Result<ProcessTrace> ReadTrace(const std::filesystem::path& path, std::vector<st
     }
     if (type == "process") {
       for (auto& [k, item] : v.object) {
+        if (k == "rank" && p.rank < 0 && item.type == JValue::kNumber) p.rank = item.i;
         if (k != "type") p.info[k] = item;
       }
     } else if (type == "thread") {
@@ -101,6 +106,14 @@ Result<ProcessTrace> ReadTrace(const std::filesystem::path& path, std::vector<st
       }
       e.json = std::move(v);
       p.events.push_back(std::move(e));
+    }
+  }
+  int64_t first_step_ts = INT64_MAX;
+  for (const Event& e : p.events) {
+    const JValue* args = e.json.Find("args");
+    if (e.name == "step" && e.ts < first_step_ts && args != nullptr && args->Find("rank") != nullptr) {
+      first_step_ts = e.ts;
+      p.rank = args->Int("rank");
     }
   }
   if (p.info.find("role") == p.info.end() || p.info.find("pid") == p.info.end()) {
@@ -140,7 +153,7 @@ std::string Us(int64_t ns) {
 // Sort order of a process's track: coordinator, servers, workers by rank.
 int64_t SortKey(const ProcessTrace& p) {
   const std::string role = p.Info("role");
-  const int64_t rank = p.InfoInt("rank", 9999);
+  const int64_t rank = p.rank >= 0 ? p.rank : 9999;
   if (role == "coordinator") return 0;
   if (role == "server") return 100 + rank;
   return 10000 + rank;
@@ -359,10 +372,8 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     const ProcessTrace& p = procs[i];
     const int pid = static_cast<int>(i) + 1;
     std::string label = p.Info("name");
-    if (p.Info("role") == "worker" && p.InfoInt("rank", -1) >= 0)
-      label += fmt::format(" (rank {})", p.InfoInt("rank", -1));
-    if (p.Info("role") == "server" && p.InfoInt("rank", -1) >= 0)
-      label += fmt::format(" (server {})", p.InfoInt("rank", -1));
+    if (p.Info("role") == "worker" && p.rank >= 0) label += fmt::format(" (rank {})", p.rank);
+    if (p.Info("role") == "server" && p.rank >= 0) label += fmt::format(" (server {})", p.rank);
     if (!p.Info("node").empty()) label += fmt::format(" on {}", p.Info("node"));
     label += fmt::format(" pid {}", p.InfoInt("pid", 0));
     emit(fmt::format(R"({{"ph":"M","pid":{},"name":"process_name","args":{{"name":{}}}}})", pid, JsonQuote(label)));
@@ -499,7 +510,7 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
       std::erase_if(steps, [](const auto& kv) { return kv.second.step <= 0; });
       if (steps.empty()) continue;
       std::string label = p.Info("name");
-      if (p.InfoInt("rank", -1) >= 0) label = fmt::format("rank {} ({})", p.InfoInt("rank", -1), label);
+      if (p.rank >= 0) label = fmt::format("rank {} ({})", p.rank, label);
       rows.emplace_back(label, std::move(steps));
     }
     const std::string svg = Svg(rows);

@@ -1,0 +1,172 @@
+// A traced run (tandem run --trace, the default demo's cluster: 2 nodes of 2
+// workers, 2 servers, hybrid mode) merged with tandem trace merge: the merged
+// file is trace-event JSON with a track per process and the expected threads
+// and spans, only the steps asked for, every traced push linked by a flow to
+// its server's update, and spans that nest on each thread.
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "cli/trace_json.h"
+#include "test_util.h"
+
+namespace tandem {
+namespace {
+
+using testing::BinDir;
+using testing::RunCommand;
+
+struct Slice {
+  std::string name;
+  double begin, end;  // microseconds
+  uint64_t step;
+};
+
+TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
+  testing::TempDir dir;
+  const std::string traces = dir.path() + "/trace";
+  const auto run =
+      RunCommand({BinDir() + "/tandem", "run", "--nodes", "2", "--workers-per-node", "2", "--servers", "2", "--steps",
+                  "10", "--trace", traces, "--trace-steps", "4:8", "--work-dir", dir.path() + "/work"},
+                 std::chrono::seconds(120));
+  ASSERT_TRUE(run.exit.success()) << run.output;
+  EXPECT_NE(run.output.find("trace: " + traces), std::string::npos) << run.output;
+  size_t files = 0;
+  for (const auto& e : std::filesystem::directory_iterator(traces)) files += e.path().string().ends_with(".jsonl");
+  EXPECT_EQ(files, 7u);  // coordinator, 2 servers, 4 workers
+
+  const std::string merged = dir.path() + "/trace.json", svg = dir.path() + "/steps.svg";
+  const auto merge = RunCommand({BinDir() + "/tandem", "trace", "merge", traces, "-o", merged, "--svg", svg},
+                                std::chrono::seconds(60));
+  ASSERT_TRUE(merge.exit.success()) << merge.output;
+  EXPECT_EQ(merge.output.find("warning"), std::string::npos) << merge.output;
+  EXPECT_EQ(merge.output.find("NOT ALIGNED"), std::string::npos) << merge.output;
+  EXPECT_NE(testing::ReadFile(svg).find("rank 3 (worker-"), std::string::npos);
+
+  auto parsed = cli::JsonReader(testing::ReadFile(merged)).Document();
+  ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
+  const cli::JValue* events = parsed->Find("traceEvents");
+  ASSERT_NE(events, nullptr);
+  std::map<int64_t, std::string> process;                      // pid -> name
+  std::map<std::pair<int64_t, int64_t>, std::string> threads;  // (pid, tid) -> name
+  std::map<std::pair<int64_t, int64_t>, std::vector<Slice>> slices;
+  std::map<int64_t, std::vector<std::string>> flow_starts, flow_ends;  // id -> names
+  for (const auto& e : events->array) {
+    const std::string ph = e.Str("ph");
+    const auto key = std::make_pair(e.Int("pid"), e.Int("tid"));
+    if (ph == "M" && e.Str("name") == "process_name") process[key.first] = e.Find("args")->Str("name");
+    if (ph == "M" && e.Str("name") == "thread_name") threads[key] = e.Find("args")->Str("name");
+    if (ph == "X") {
+      const double ts = e.Find("ts")->d, dur = e.Find("dur")->d;
+      slices[key].push_back({e.Str("name"), ts, ts + dur, static_cast<uint64_t>(e.Find("args")->Int("step"))});
+    }
+    if (ph == "s") flow_starts[e.Int("id")].push_back(e.Str("name"));
+    if (ph == "f") flow_ends[e.Int("id")].push_back(e.Str("name"));
+  }
+  // A track per process, named by role, rank and node.
+  std::map<std::string, int> roles;
+  for (const auto& [pid, name] : process) {
+    for (const std::string role : {"coordinator", "server-", "worker-"}) roles[role] += name.starts_with(role);
+  }
+  EXPECT_EQ(roles["coordinator"], 1);
+  EXPECT_EQ(roles["server-"], 2);
+  EXPECT_EQ(roles["worker-"], 4);
+  for (const auto& [pid, name] : process) {
+    if (name.starts_with("worker-")) EXPECT_NE(name.find("(rank "), std::string::npos) << name;
+  }
+  // Per worker: the training and communication threads, with the steps asked
+  // for and their spans.
+  int workers = 0;
+  uint64_t pushes = 0;
+  for (const auto& [pid, name] : process) {
+    if (!name.starts_with("worker-")) continue;
+    ++workers;
+    std::map<std::string, int> names;
+    std::set<uint64_t> steps;
+    for (const auto& [key, list] : slices) {
+      if (key.first != pid) continue;
+      const std::string thread = threads[key];
+      for (const Slice& s : list) {
+        ++names[thread + "/" + s.name];
+        if (s.name == "step") steps.insert(s.step);
+        if (s.name == "push") ++pushes;
+        EXPECT_GE(s.step, 4u) << name << " " << s.name;
+        EXPECT_LE(s.step, 8u) << name << " " << s.name;
+      }
+    }
+    EXPECT_EQ(steps, (std::set<uint64_t>{4, 5, 6, 7, 8})) << name;
+    for (const std::string span :
+         {"train/step", "train/forward", "train/backward", "train/end_step_wait", "comm/bucket", "comm/reduce_scatter",
+          "comm/push", "comm/push_wait", "comm/pull_wait", "comm/all_gather", "comm/loss_allreduce"}) {
+      EXPECT_GE(names[span], 5) << name << ": " << span;
+    }
+  }
+  EXPECT_EQ(workers, 4);
+  for (const auto& [pid, name] : process) {
+    if (!name.starts_with("server-")) continue;
+    std::map<std::string, int> names;
+    for (const auto& [key, list] : slices) {
+      if (key.first != pid) continue;
+      for (const Slice& s : list) ++names[s.name];
+    }
+    for (const std::string span : {"push", "aggregation", "update", "decide", "pull_answer"}) {
+      EXPECT_GE(names[span], 5) << name << ": " << span;
+    }
+  }
+  // Every traced push is linked by a flow that ends at its server's update.
+  ASSERT_GT(pushes, 0u);
+  uint64_t linked = 0;
+  for (const auto& [id, names] : flow_starts) {
+    if (names.front() != "push -> update") continue;
+    ++linked;
+    EXPECT_EQ(flow_ends[id].size(), 1u) << "flow " << id;
+  }
+  EXPECT_EQ(linked, pushes);
+  EXPECT_NE(merge.output.find(fmt::format("pushes linked to their update: {} of {}", pushes, pushes)),
+            std::string::npos)
+      << merge.output;
+  // On each thread, spans nest: one that starts inside another ends inside it.
+  for (auto& [key, list] : slices) {
+    std::sort(list.begin(), list.end(),
+              [](const Slice& a, const Slice& b) { return std::tie(a.begin, b.end) < std::tie(b.begin, a.end); });
+    std::vector<const Slice*> open;
+    for (const Slice& s : list) {
+      while (!open.empty() && open.back()->end <= s.begin) open.pop_back();
+      if (!open.empty()) {
+        EXPECT_LE(s.end, open.back()->end)
+            << process[key.first] << "/" << threads[key] << ": " << s.name << " [" << s.begin << ", " << s.end
+            << "] overlaps " << open.back()->name << " [" << open.back()->begin << ", " << open.back()->end << "]";
+      }
+      open.push_back(&s);
+    }
+  }
+  // A worker's steps follow one another, and its computation and exposed
+  // wait lie inside their step.
+  for (const auto& [key, list] : slices) {
+    if (threads[key] != "train") continue;
+    std::map<uint64_t, const Slice*> step;
+    for (const Slice& s : list) {
+      if (s.name == "step") step[s.step] = &s;
+    }
+    const Slice* before = nullptr;
+    for (const auto& [n, s] : step) {
+      if (before != nullptr) EXPECT_LE(before->end, s->begin) << process[key.first] << " step " << n;
+      before = s;
+    }
+    for (const Slice& s : list) {
+      if (s.name != "forward" && s.name != "backward" && s.name != "end_step_wait") continue;
+      ASSERT_TRUE(step.count(s.step)) << s.name << " of step " << s.step;
+      EXPECT_GE(s.begin, step[s.step]->begin) << s.name;
+      EXPECT_LE(s.end, step[s.step]->end) << s.name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace tandem
