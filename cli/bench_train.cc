@@ -7,7 +7,12 @@
 // times, and the fraction of step time the workers spent waiting for
 // communication after backward and, in the next forward, for parameters still
 // arriving: the communication that the computation did not hide.
+#include <stdlib.h>
+
 #include <cmath>
+#include <filesystem>
+
+#include <fmt/ranges.h>
 
 #include "cli/commands.h"
 #include "cli/launcher.h"
@@ -29,6 +34,73 @@ struct Row {
   double exposed = 0;
   double last_loss = 0;
 };
+
+// The cost of tracing: per mode, `rounds` pairs of runs, one without
+// tracing and one tracing every step (in alternating order, so that both see
+// the same drift of the machine), each run's median step time; the overhead
+// is the median over the pairs of traced / untraced - 1.
+int TraceOverhead(const ClusterOptions& o, const std::string& modes, int64_t rounds, bool json,
+                  ShutdownSignal& shutdown) {
+  if (!json) {
+    fmt::print(
+        "# tandem bench train --trace-rounds {}: reference model, {} layers x d_model {}, global batch {}, {} steps "
+        "per run; {} node(s) x {} worker(s), {} server(s), network {}\n"
+        "# median step time of each run (steps 2..N), {} rounds of a run without tracing and one tracing every step, "
+        "in alternating order; overhead: median over the rounds of traced / untraced - 1\n",
+        rounds, o.train.layers, o.train.d_model, o.train.global_batch, o.train.steps, o.nodes, o.workers_per_node,
+        o.servers, o.network, rounds);
+    fmt::print("{:<10} {:>14} {:>14} {:>10} {:>22}\n", "mode", "untraced ms", "traced ms", "overhead",
+               "per round (traced/untraced)");
+  }
+  for (const std::string& mode : SplitList(modes)) {
+    if (!worker::ParseTrainingMode(mode).ok()) {
+      fmt::print(stderr, "tandem bench train: --modes: '{}' is not one of hybrid, allreduce, ps\n", mode);
+      return 2;
+    }
+    std::vector<double> off, on, ratios;
+    for (int64_t r = 0; r < rounds && !shutdown.requested(); ++r) {
+      // ABBA: every other round the traced run goes first, so that neither
+      // side always follows the other.
+      for (const bool traced : r % 2 == 0 ? std::vector<bool>{false, true} : std::vector<bool>{true, false}) {
+        ClusterOptions run = o;
+        run.train.mode = mode;
+        std::string dir;
+        if (traced) {
+          char tmpl[] = "/tmp/tandem-bench-trace-XXXXXX";
+          if (mkdtemp(tmpl) == nullptr) {
+            fmt::print(stderr, "tandem bench train: cannot make a trace directory in /tmp\n");
+            return 1;
+          }
+          dir = tmpl;
+          run.trace.dir = dir;
+        }
+        auto summary = RunLocalTraining(run, shutdown);
+        if (!dir.empty()) std::filesystem::remove_all(dir);
+        if (!summary.ok() || !summary->completed) {
+          fmt::print(stderr, "tandem bench train: {} mode{}: {}\n", mode, traced ? " (traced)" : "",
+                     summary.ok() ? summary->failure : summary.status().ToString());
+          return 1;
+        }
+        (traced ? on : off).push_back(summary->step_seconds_median * 1e3);
+      }
+      ratios.push_back(on.back() / off.back());  // this round's pair
+    }
+    if (ratios.empty()) break;
+    const double overhead = Median(ratios) - 1;
+    std::string each;
+    for (double x : ratios) each += fmt::format("{}{:.3f}", each.empty() ? "" : " ", x);
+    if (json) {
+      fmt::print(
+          "{{\"mode\":{},\"rounds\":{},\"untraced_step_ms\":{},\"traced_step_ms\":{},\"trace_overhead\":{},"
+          "\"ratios\":[{}]}}\n",
+          JsonQuote(mode), ratios.size(), JsonNumber(Median(off), 5), JsonNumber(Median(on), 5),
+          JsonNumber(overhead, 4), fmt::join(ratios, ","));
+    } else {
+      fmt::print("{:<10} {:>14.1f} {:>14.1f} {:>+9.1f}% {:>22}\n", mode, Median(off), Median(on), overhead * 100, each);
+    }
+  }
+  return 0;
+}
 
 }  // namespace
 
@@ -57,10 +129,17 @@ int BenchTrainCommand(int argc, char** argv) {
                "pin each worker to its own share of this machine's CPUs, as MPI launchers bind ranks (servers and the "
                "coordinator are not pinned)");
   options.Bool("json", &json, "print one JSON object per mode instead of the table");
+  int64_t trace_rounds = 0;
+  options.Int("trace_rounds", &trace_rounds,
+              "instead of the table: the cost of tracing (tandem run --trace) in each mode, from this many rounds of "
+              "a run without tracing and one tracing every step, alternating (0: off)",
+              0, 1000);
   worker::DeclareTrainOptions(options, &o.train, /*job_keys=*/false);
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   o.nodes = std::max<int64_t>(o.nodes, 1);
   if (o.nodes * o.workers_per_node == 1) o.nodes = 2;
+
+  if (trace_rounds > 0) return TraceOverhead(o, modes, trace_rounds, json, shutdown);
 
   std::vector<Row> rows;
   // One process: the baseline.

@@ -324,11 +324,12 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     rp.role = p.Info("role");
     rp.events = p.events.size();
     const int64_t own_skew = p.InfoInt("clock_skew_ns", 0);
-    if (p.Info("clock") == reference && (reference_trace != nullptr || p.clock.empty())) {
+    const int64_t reference_skew = reference_trace != nullptr ? reference_trace->InfoInt("clock_skew_ns", 0) : 0;
+    const bool same_host = p.Info("clock") == reference;
+    if (same_host && own_skew == reference_skew && (reference_trace != nullptr || p.clock.empty())) {
       // The reference's host: the same CLOCK_MONOTONIC, so the offset is
-      // exact (the difference of the skews the two traces carry) and needs
-      // no round trip.
-      rp.offset_ns = (reference_trace != nullptr ? reference_trace->InfoInt("clock_skew_ns", 0) : 0) - own_skew;
+      // 0, exactly, without a round trip. (A skew injected into one of them,
+      // failpoint trace.clock_skew_ms, makes it another machine's clock.)
       rp.aligned = rp.same_clock = true;
     } else if (auto it = p.clock.find(reference); it != p.clock.end()) {
       const trace::OffsetEstimate est = trace::EstimateOffset(it->second);
@@ -336,6 +337,10 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
       rp.delay_ns = est.delay_ns;
       rp.offset_ns = est.offset_ns;
       rp.aligned = est.samples > 0;
+    }
+    if (!rp.aligned && same_host) {  // no round trip, but the host's clock and the skews both traces carry
+      rp.offset_ns = reference_skew - own_skew;
+      rp.aligned = rp.same_clock = true;
     }
     if (!rp.aligned) {
       report.warnings.push_back(

@@ -330,12 +330,20 @@ Status Start(const Config& config, std::string_view role, std::string_view name)
   }
   TANDEM_RETURN_IF_ERROR(MakeDirs(config.dir));
   if (auto skew = FailpointValue("trace.clock_skew_ms")) {
+    // MS, or NAME:MS for the process named NAME only.
+    std::string_view value = *skew;
+    bool mine = true;
+    if (const size_t colon = value.rfind(':'); colon != std::string_view::npos) {
+      mine = value.substr(0, colon) == name;
+      value = value.substr(colon + 1);
+    }
     int64_t ms = 0;
-    const auto [p, ec] = std::from_chars(skew->data(), skew->data() + skew->size(), ms);
-    if (ec == std::errc() && p == skew->data() + skew->size()) {
+    const auto [p, ec] = std::from_chars(value.data(), value.data() + value.size(), ms);
+    if (ec != std::errc() || p != value.data() + value.size()) {
+      spdlog::error("failpoint trace.clock_skew_ms: '{}' is not [NAME:]MILLISECONDS; ignored", *skew);
+    } else if (mine) {
       internal::skew_ns = ms * 1'000'000;
-    } else {
-      spdlog::error("failpoint trace.clock_skew_ms: '{}' is not a number of milliseconds; ignored", *skew);
+      spdlog::warn("failpoint trace.clock_skew_ms: this process's trace clock runs {} ms off", ms);
     }
   }
   const std::string path = fmt::format("{}/{}-{}.trace.jsonl", config.dir, name, getpid());

@@ -11,6 +11,7 @@
 #include "common/crc32c.h"
 #include "common/failpoint.h"
 #include "common/optimizer/gradient.h"
+#include "common/trace.h"
 #include "server/checkpoint/checkpoint.h"
 #include "server/ps_core.h"
 #include "server/ps_core_internal.h"
@@ -31,6 +32,18 @@ void ParameterStore::StopCaptures() {
 
 Result<Capture> ParameterStore::CaptureAt(uint64_t step, std::chrono::milliseconds timeout) {
   auto request = std::make_shared<CaptureRequest>();
+  // The capture on the server's timeline, from the request to the copies of
+  // every partition at the step (a checkpoint's part that holds up training).
+  struct CaptureSpan {
+    const CaptureRequest& request;
+    int64_t start = trace::On() ? trace::Now() : 0;
+    ~CaptureSpan() {
+      if (start == 0) return;
+      trace::Complete("capture", "checkpoint", start, trace::Now(), request.step,
+                      {{"partitions", static_cast<int64_t>(request.result.partitions.size())},
+                       {"expected", static_cast<int64_t>(request.expected.size())}});
+    }
+  } span{*request};
   std::vector<std::shared_ptr<Part>> parts;
   MutexLock lock(&mu_);
   if (captures_stopped_) return Unavailable("the server is shutting down");
@@ -110,6 +123,8 @@ void ParameterStore::StepCompleted(uint32_t partition, uint64_t step) {
             continue;
           }
           if (part->state.step == step) {
+            trace::Span copy("capture_copy", "checkpoint", step);
+            copy.Add("partition", partition);
             c->result.partitions.push_back(part->state);
           } else {
             c->failed =

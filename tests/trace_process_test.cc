@@ -2,7 +2,8 @@
 // workers, 2 servers, hybrid mode) merged with tandem trace merge: the merged
 // file is trace-event JSON with a track per process and the expected threads
 // and spans, only the steps asked for, every traced push linked by a flow to
-// its server's update, and spans that nest on each thread.
+// its server's update, and spans that nest on each thread; one worker's
+// clock skewed on purpose is aligned from its round trips.
 #include <algorithm>
 #include <filesystem>
 #include <map>
@@ -22,6 +23,16 @@ namespace {
 using testing::BinDir;
 using testing::RunCommand;
 
+std::vector<std::string> SplitLines(const std::string& text) {
+  std::vector<std::string> lines;
+  size_t from = 0;
+  for (size_t nl; (nl = text.find('\n', from)) != std::string::npos; from = nl + 1) {
+    lines.push_back(text.substr(from, nl - from));
+  }
+  if (from < text.size()) lines.push_back(text.substr(from));
+  return lines;
+}
+
 struct Slice {
   std::string name;
   double begin, end;  // microseconds
@@ -31,9 +42,12 @@ struct Slice {
 TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
   testing::TempDir dir;
   const std::string traces = dir.path() + "/trace";
+  // worker-1's trace clock runs 250 ms ahead, as another machine's would:
+  // the merge must put it back from its round trips to the coordinator.
   const auto run =
-      RunCommand({BinDir() + "/tandem", "run", "--nodes", "2", "--workers-per-node", "2", "--servers", "2", "--steps",
-                  "10", "--trace", traces, "--trace-steps", "4:8", "--work-dir", dir.path() + "/work"},
+      RunCommand({"/usr/bin/env", "TANDEM_FAILPOINTS=trace.clock_skew_ms=worker-1:250", BinDir() + "/tandem", "run",
+                  "--nodes", "2", "--workers-per-node", "2", "--servers", "2", "--steps", "10", "--trace", traces,
+                  "--trace-steps", "4:8", "--work-dir", dir.path() + "/work"},
                  std::chrono::seconds(120));
   ASSERT_TRUE(run.exit.success()) << run.output;
   EXPECT_NE(run.output.find("trace: " + traces), std::string::npos) << run.output;
@@ -48,6 +62,20 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
   EXPECT_EQ(merge.output.find("warning"), std::string::npos) << merge.output;
   EXPECT_EQ(merge.output.find("NOT ALIGNED"), std::string::npos) << merge.output;
   EXPECT_NE(testing::ReadFile(svg).find("rank 3 (worker-"), std::string::npos);
+  // The skewed worker's offset, from round trips; the others share the coordinator's clock.
+  for (const auto& line : SplitLines(merge.output)) {
+    if (line.find(".trace.jsonl") == std::string::npos) continue;
+    const size_t at = line.find("offset ");
+    ASSERT_NE(at, std::string::npos) << line;
+    const double offset_ms = std::stod(line.substr(at + 7));
+    if (line.find("worker-1-") != std::string::npos) {
+      EXPECT_NEAR(offset_ms, -250.0, 2.0) << line;
+      EXPECT_NE(line.find("round trip"), std::string::npos) << line;
+    } else {
+      EXPECT_EQ(offset_ms, 0.0) << line;
+      EXPECT_NE(line.find("the reference's clock"), std::string::npos) << line;
+    }
+  }
 
   auto parsed = cli::JsonReader(testing::ReadFile(merged)).Document();
   ASSERT_TRUE(parsed.ok()) << parsed.status().ToString();
@@ -57,6 +85,7 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
   std::map<std::pair<int64_t, int64_t>, std::string> threads;  // (pid, tid) -> name
   std::map<std::pair<int64_t, int64_t>, std::vector<Slice>> slices;
   std::map<int64_t, std::vector<std::string>> flow_starts, flow_ends;  // id -> names
+  std::map<int64_t, std::vector<double>> flow_times;                   // id -> ts of s, t..., f
   for (const auto& e : events->array) {
     const std::string ph = e.Str("ph");
     const auto key = std::make_pair(e.Int("pid"), e.Int("tid"));
@@ -66,6 +95,7 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
       const double ts = e.Find("ts")->d, dur = e.Find("dur")->d;
       slices[key].push_back({e.Str("name"), ts, ts + dur, static_cast<uint64_t>(e.Find("args")->Int("step"))});
     }
+    if (ph == "s" || ph == "t" || ph == "f") flow_times[e.Int("id")].push_back(e.Find("ts")->d);
     if (ph == "s") flow_starts[e.Int("id")].push_back(e.Str("name"));
     if (ph == "f") flow_ends[e.Int("id")].push_back(e.Str("name"));
   }
@@ -128,6 +158,16 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
     EXPECT_EQ(flow_ends[id].size(), 1u) << "flow " << id;
   }
   EXPECT_EQ(linked, pushes);
+  // Aligned clocks keep cause before effect: the server takes a push in
+  // after the worker sent it, and updates after that (within the alignment's
+  // error, well under the 250 ms skew).
+  for (const auto& [id, names] : flow_starts) {
+    if (names.front() != "push -> update") continue;
+    const std::vector<double>& ts = flow_times[id];
+    ASSERT_EQ(ts.size(), 3u) << "flow " << id;
+    EXPECT_GE(ts[1], ts[0] - 2000) << "flow " << id;
+    EXPECT_GE(ts[2], ts[1] - 2000) << "flow " << id;
+  }
   EXPECT_NE(merge.output.find(fmt::format("pushes linked to their update: {} of {}", pushes, pushes)),
             std::string::npos)
       << merge.output;

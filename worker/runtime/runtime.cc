@@ -301,6 +301,10 @@ Result<StepPlan> Runtime::BeginStep() {
   strategy_->BeginStep();
   next_bucket_ = 0;
   parameter_wait_ = 0;
+  // The step on this worker's timeline, whatever loop drives it (the
+  // reference trainer, a PyTorch script): it ends in EndStep.
+  trace::SetThreadStep(step_);
+  trace_step_start_ = TraceStart(step_);
   StepPlan plan;
   plan.step = step_;
   plan.epoch = synced_epoch_;
@@ -350,6 +354,19 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   if (more.size() > kMaxStepFigures) {
     return InvalidArgument("EndStep: {} more figures, at most {}", more.size(), kMaxStepFigures);
   }
+  // The step's span ends when EndStep returns, done or failed.
+  struct StepSpan {
+    Runtime& rt;
+    bool done = false;
+    ~StepSpan() {
+      if (rt.trace_step_start_ == 0) return;
+      trace::Complete("step", "step", rt.trace_step_start_, trace::Now(), rt.step_,
+                      {{"epoch", static_cast<int64_t>(rt.view_->epoch.epoch())},
+                       {"rank", rt.view_->rank.global_rank()},
+                       {"done", done}});
+      rt.trace_step_start_ = 0;
+    }
+  } step_span{*this};
   // Sharded: the gradient is handed back bucket by bucket as it is sent, so
   // there is none to push again.
   grads_step_ = sharded_ ? 0 : step_;
@@ -419,6 +436,7 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   result.tokens = static_cast<uint64_t>(loss_out_[2]);
   std::copy_n(loss_out_.begin() + 3, more.size(), more.begin());
   completed_ = step_;
+  step_span.done = true;
   plane_.ReportStep(completed_);
   return result;
 }
@@ -448,6 +466,10 @@ Status Runtime::AllReduceBetweenSteps(float* values, size_t count) {
 }
 
 void Runtime::AbandonStep(const Status& why) {
+  if (trace_step_start_ != 0) {  // the step's span, given up
+    trace::Complete("step", "step", trace_step_start_, trace::Now(), step_, {{"done", false}});
+    trace_step_start_ = 0;
+  }
   if (in_step_) EndFailedStep(why);
 }
 

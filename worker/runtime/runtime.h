@@ -532,6 +532,7 @@ class Runtime {
   size_t next_bucket_ = 0;
   bool in_step_ = false;
   uint64_t step_ = 0;
+  int64_t trace_step_start_ = 0;  // the step's span (common/trace.h): from BeginStep to EndStep; 0: not traced
   // The step whose whole gradient the attached buffer holds: what a resync
   // pushes again when only some servers applied it. Set by EndStep; cleared
   // once the step's last bucket landed (every partition of the stage

@@ -1036,11 +1036,6 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
     }
     const auto t0 = Clock::now();
     const double started = WallSeconds();
-    // The step on this worker's timeline: its computation, then EndStep.
-    trace::SetThreadStep(plan->step);
-    trace::Span step_span("step", "step", plan->step);
-    step_span.Add("epoch", static_cast<int64_t>(plan->epoch));
-    step_span.Add("rank", plan->rank);
     const auto ready = [&runtime](size_t from) { runtime.GradientsReady(from); };
     PipelineTiming timing;
     auto share = plan->stages > 1 ? ComputePipelineShare(*setup, *plan, *schedule, ready, &timing)
