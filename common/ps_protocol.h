@@ -52,7 +52,10 @@
 //   kTransfer    primary -> new backup. The whole state of `partition`:
 //                payload is weights, then state0, then state1 (fp32 each, as
 //                many buffers as the optimizer keeps, `contributors` says
-//                how many); `step` the step and `version` the version.
+//                how many); `step` the step and `version` the version. With
+//                flags kFlagDecided, `value` is the clipping coefficient the
+//                step was decided with (and kFlagSkip: it was skipped), for
+//                a retry of that step after the backup becomes primary.
 //                Reply: kTransferReply.
 //   kJob         primary -> new backup, before kTransfer. The job's
 //                configuration: a serialized InitializeParametersRequest
@@ -104,6 +107,7 @@ enum class FrameType : uint16_t {
 
 inline constexpr uint16_t kFlagDuplicate = 1;
 inline constexpr uint16_t kFlagSkip = 2;
+inline constexpr uint16_t kFlagDecided = 4;
 
 struct Frame {
   uint32_t magic = kMagic;
@@ -152,9 +156,15 @@ inline double ReplicaLearningRate(const Frame& frame) {
 // One partition's part of a sync step decision (kShare payload).
 struct ShareEntry {
   uint32_t partition = 0;
-  uint32_t finite = 1;  // 0: the partition's reduced gradient holds NaN or Inf
+  // Bit 0 (kShareFinite): the partition's reduced gradient holds no NaN or
+  // Inf. Bit 1 (kShareDecided): the partition applied the step before (a
+  // retry in a later epoch): `sum_squares` is then the clipping
+  // coefficient the step was decided with, and bit 0 clear means skipped.
+  uint32_t finite = 1;
   double sum_squares = 0;
 };
+inline constexpr uint32_t kShareFinite = 1;
+inline constexpr uint32_t kShareDecided = 2;
 static_assert(sizeof(ShareEntry) == 16);
 
 const char* FrameTypeName(FrameType type);

@@ -409,13 +409,13 @@ Result<PrimaryRebalance> RebalancePrimaries(const v1::ShardMap& map, uint64_t ve
     }
     if (best == nullptr) break;
     const auto [from, to] = *best;
+    // A partition swaps once: it does not join the reverse pair (swapping
+    // it back later would undo a move for nothing).
     auto& ids = pairs[{from, to}];
-    auto& back = pairs[{to, from}];
     const uint64_t moves = std::min<uint64_t>(ids.size(), best_gap / 2);
     for (uint64_t k = 0; k < moves; ++k) {
       const uint32_t id = ids.front();
       ids.pop_front();
-      back.insert(std::upper_bound(back.begin(), back.end(), id), id);
       v1::Partition& p = (*result.map.mutable_partitions())[static_cast<int>(id)];
       p.set_primary_member_id(to);
       p.set_backup_member_id(from);
@@ -426,6 +426,115 @@ Result<PrimaryRebalance> RebalancePrimaries(const v1::ShardMap& map, uint64_t ve
   }
   std::sort(result.swapped.begin(), result.swapped.end());
   result.map.set_version(result.swapped.empty() ? map.version() : version);
+  return result;
+}
+
+Result<BackupMoves> RebalanceBackups(const v1::ShardMap& map, std::vector<uint64_t> servers, uint64_t version) {
+  TANDEM_RETURN_IF_ERROR(CheckPreviousMap(map));
+  if (version <= map.version()) {
+    return InvalidArgument("new shard map version {} must be greater than the previous version {}", version,
+                           map.version());
+  }
+  std::sort(servers.begin(), servers.end());
+  for (size_t i = 0; i < servers.size(); ++i) {
+    if (servers[i] == 0) return InvalidArgument("server id 0 is not a valid member id");
+    if (i > 0 && servers[i] == servers[i - 1]) return InvalidArgument("server {} is listed twice", servers[i]);
+  }
+  BackupMoves result;
+  result.map = map;
+  auto& parts = *result.map.mutable_partitions();
+  std::map<uint64_t, uint64_t> holdings;   // by server: partitions held as primary or backup
+  std::map<uint64_t, uint64_t> primaries;  // by server
+  for (uint64_t id : servers) holdings.try_emplace(id, 0);
+  for (const v1::Partition& p : parts) {
+    ++holdings[p.primary_member_id()];
+    ++primaries[p.primary_member_id()];
+    if (p.backup_member_id() != 0) ++holdings[p.backup_member_id()];
+  }
+  for (;;) {
+    if (servers.empty()) break;
+    // Takers from the fewest held up, givers from the most held down (ties:
+    // smaller id), for the first pair 2 or more apart with a backup to move.
+    auto order = [&holdings](std::vector<uint64_t> ids, bool most_first) {
+      std::stable_sort(ids.begin(), ids.end(), [&](uint64_t a, uint64_t b) {
+        return most_first ? holdings[a] > holdings[b] : holdings[a] < holdings[b];
+      });
+      return ids;
+    };
+    std::vector<uint64_t> all;
+    for (const auto& [id, n] : holdings) all.push_back(id);
+    const std::vector<uint64_t> takers = order(servers, false);
+    const std::vector<uint64_t> givers = order(all, true);
+    v1::Partition* chosen = nullptr;
+    uint64_t to = 0;
+    for (uint64_t taker : takers) {
+      for (uint64_t from : givers) {
+        if (holdings[from] < holdings[taker] + 2) break;
+        for (v1::Partition& p : parts) {
+          if (p.backup_member_id() != from || p.primary_member_id() == taker) continue;
+          if (chosen == nullptr || primaries[p.primary_member_id()] > primaries[chosen->primary_member_id()]) {
+            chosen = &p;
+          }
+        }
+        if (chosen != nullptr) break;
+      }
+      if (chosen != nullptr) {
+        to = taker;
+        break;
+      }
+    }
+    if (chosen == nullptr) break;
+    --holdings[chosen->backup_member_id()];
+    ++holdings[to];
+    chosen->set_backup_member_id(to);
+    result.moved.push_back(chosen->id());
+  }
+  // Holdings even, primaries not, and no partition links the server with
+  // the most primaries (H) to the one with the fewest (L), so no swap can
+  // help: exchange two backups so that one does. H's partition p backed up
+  // by X is backed up by L instead, and a partition q backed up by L (whose
+  // primary is not X) by X: every server holds as many as before.
+  if (result.moved.empty()) {
+    // Pairs (H, L) 2 or more primaries apart, the widest first (ties: by ids).
+    std::vector<std::tuple<uint64_t, uint64_t, uint64_t>> uneven;  // (gap, h, l)
+    for (const auto& [h, nh] : holdings) {
+      for (const auto& [l, nl] : holdings) {
+        if (primaries[h] >= primaries[l] + 2) uneven.emplace_back(primaries[h] - primaries[l], h, l);
+      }
+    }
+    std::sort(uneven.begin(), uneven.end(), [](const auto& a, const auto& b) {
+      return std::get<0>(a) != std::get<0>(b) ? std::get<0>(a) > std::get<0>(b) : a < b;
+    });
+    for (const auto& [gap, h, l] : uneven) {
+      const bool linked = std::any_of(parts.begin(), parts.end(), [&, h = h, l = l](const v1::Partition& p) {
+        return p.primary_member_id() == h && p.backup_member_id() == l;
+      });
+      if (linked) break;  // a swap helps: RebalancePrimaries
+      for (uint64_t k = 0; k < gap / 2; ++k) {
+        v1::Partition* from_h = nullptr;
+        v1::Partition* from_l = nullptr;
+        for (v1::Partition& p : parts) {
+          if (p.primary_member_id() != h || p.backup_member_id() == 0 || p.backup_member_id() == l) continue;
+          for (v1::Partition& q : parts) {
+            if (q.backup_member_id() == l && q.primary_member_id() != p.backup_member_id()) {
+              from_h = &p;
+              from_l = &q;
+              break;
+            }
+          }
+          if (from_h != nullptr) break;
+        }
+        if (from_h == nullptr) break;
+        from_l->set_backup_member_id(from_h->backup_member_id());
+        from_h->set_backup_member_id(l);
+        result.moved.push_back(from_h->id());
+        result.moved.push_back(from_l->id());
+      }
+      if (!result.moved.empty()) break;
+    }
+  }
+  std::sort(result.moved.begin(), result.moved.end());
+  result.map.set_version(result.moved.empty() ? map.version() : version);
   return result;
 }
 

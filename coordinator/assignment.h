@@ -228,4 +228,38 @@ struct PrimaryRebalance {
 // ReassignShardMap); version <= map.version.
 Result<PrimaryRebalance> RebalancePrimaries(const v1::ShardMap& map, uint64_t version);
 
+// The outcome of RebalanceBackups.
+struct BackupMoves {
+  // The map with the backups moved.
+  v1::ShardMap map;
+  // Partitions whose backup moved to another server, sorted.
+  std::vector<uint32_t> moved;
+};
+
+// Evens out how many partitions each of `servers` holds (as primary or
+// backup) by moving backups, the step before RebalancePrimaries: a server
+// that holds nothing (it came back while three or more survivors kept every
+// backup, or it was added to the job) gets backups, and once they hold
+// their state, swaps can make it primary of its share.
+//
+// A map is even when no server holds at least 2 more partitions than
+// another; then nothing changes. Otherwise, repeatedly, the server of
+// `servers` holding the fewest (ties: smaller id; then the next fewest if
+// it can take none) takes the backup of one partition from the server
+// holding the most (ties: smaller id; then the next) of which it is not the
+// primary: the one whose primary is primary of the most partitions (ties:
+// smaller partition id), so the swaps that follow take primaries from the
+// busiest. When holdings are even but the server with
+// the most primaries is 2 ahead of the one with the fewest and no partition
+// of the first is backed up by the second (no swap can help), two backups
+// are exchanged so that such partitions exist (holdings unchanged), as many
+// as half the difference. Primaries never move; a partition without a
+// backup keeps none. Servers in the map but not in `servers` only give.
+// The map's version is `version` if a backup moved, else map.version.
+//
+// Errors (INVALID_ARGUMENT): `map` is not a valid map (as for
+// ReassignShardMap); version <= map.version; a server id of 0 or listed
+// twice.
+Result<BackupMoves> RebalanceBackups(const v1::ShardMap& map, std::vector<uint64_t> servers, uint64_t version);
+
 }  // namespace tandem::coordinator

@@ -813,7 +813,15 @@ Result<CoordinatorCore::NextEpoch> CoordinatorCore::ComputeEpoch(const Job& job,
     peer->set_control_address(m.record.control_address());
   }
   if (rebalance) {
-    auto balanced = RebalancePrimaries(job.latest.shard_map(), job.latest.shard_map().version() + 1);
+    // Backups first (a server holding too little gets some), primaries once
+    // every backup holds its state (MaybeRebalance).
+    const v1::ShardMap& map = job.latest.shard_map();
+    auto backups = RebalanceBackups(map, servers, map.version() + 1);
+    if (backups.ok() && !backups->moved.empty()) {
+      *epoch.mutable_shard_map() = std::move(backups->map);
+      return next;
+    }
+    auto balanced = RebalancePrimaries(map, map.version() + 1);
     if (!balanced.ok() || balanced->swapped.empty()) {
       next.changed = false;
       return next;
@@ -843,25 +851,46 @@ void CoordinatorCore::MaybeRebalance(Job& job) {
   for (const auto& [id, m] : job.members) {
     if (m.record.role() == v1::ROLE_SERVER && Alive(m) && !InLatest(job, id)) return;
   }
-  // Cheap first: is any partition's primary 2 ahead of its backup?
+  // Cheap first: does a server hold 2 partitions more than another (backups
+  // move), or is it primary of 2 more (swaps, or exchanges of backups that
+  // make a swap possible)?
   std::unordered_map<uint64_t, uint64_t> primaries;
-  for (const auto& p : latest.shard_map().partitions()) ++primaries[p.primary_member_id()];
-  bool uneven = false;
-  for (const auto& p : latest.shard_map().partitions()) {
-    if (p.backup_member_id() != 0 && primaries[p.primary_member_id()] >= primaries[p.backup_member_id()] + 2) {
-      uneven = true;
-      break;
-    }
+  std::unordered_map<uint64_t, uint64_t> holdings;
+  for (const auto& p : latest.peers()) {
+    if (p.role() == v1::ROLE_SERVER) primaries[p.member_id()] = holdings[p.member_id()] = 0;
   }
-  if (!uneven) return;
+  for (const auto& p : latest.shard_map().partitions()) {
+    ++primaries[p.primary_member_id()];
+    ++holdings[p.primary_member_id()];
+    if (p.backup_member_id() != 0) ++holdings[p.backup_member_id()];
+  }
+  const auto spread = [](const std::unordered_map<uint64_t, uint64_t>& counts) -> uint64_t {
+    if (counts.empty()) return 0;
+    const auto [lo, hi] = std::minmax_element(counts.begin(), counts.end(),
+                                              [](const auto& a, const auto& b) { return a.second < b.second; });
+    return hi->second - lo->second;
+  };
+  const bool backups_uneven = spread(holdings) >= 2;
+  const bool primaries_uneven = spread(primaries) >= 2;
+  if (!backups_uneven && !primaries_uneven) return;
+  // What ComputeEpoch will do: move backups if any can move, else swap.
+  std::vector<uint64_t> servers;
+  for (const auto& [id, n] : holdings) servers.push_back(id);
+  auto moves = RebalanceBackups(latest.shard_map(), servers, latest.shard_map().version() + 1);
+  const bool move_backups = moves.ok() && !moves->moved.empty();
   std::string counts;
   for (const auto& p : latest.peers()) {
     if (p.role() != v1::ROLE_SERVER) continue;
-    counts += fmt::format("{}member {}: {}", counts.empty() ? "" : ", ", p.member_id(), primaries[p.member_id()]);
+    counts += fmt::format("{}member {}: {}", counts.empty() ? "" : ", ", p.member_id(),
+                          move_backups ? holdings[p.member_id()] : primaries[p.member_id()]);
   }
+  // A map the rebalance cannot improve publishes nothing: ComputeEpoch
+  // finds no change.
   PublishEpoch(
       job, v1::EPOCH_CAUSE_REBALANCE,
-      fmt::format("primaries rebalanced now that every backup holds its state (primaries before: {})", counts));
+      move_backups
+          ? fmt::format("backups moved to even out the partitions each server holds (held before: {})", counts)
+          : fmt::format("primaries rebalanced now that every backup holds its state (primaries before: {})", counts));
 }
 
 void CoordinatorCore::RecordEpoch(Job& job, const NextEpoch& next) {

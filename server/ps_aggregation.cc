@@ -190,6 +190,7 @@ void ParameterStore::PushImpl(uint64_t from, const ps::Frame& h, const void* pay
 }
 
 Status ParameterStore::TakePushLocked(Part& part, const ps::Frame& h) {
+  if (h.epoch != part.epoch) return Superseded(h.epoch, part.epoch);
   if (!ValidWireDType(h.dtype)) return InvalidArgument("dtype {} is not a wire dtype", h.dtype);
   if (h.contributors == 0 || h.contributors > kMaxContributors) {
     return InvalidArgument("contributors: {} must be 1 to {}", h.contributors, kMaxContributors);
@@ -528,7 +529,20 @@ void ParameterStore::MaybeShare(uint64_t epoch, uint64_t step, Actions& actions)
     const bool aggregated =
         part->state.step + 1 == step && part->agg_epoch == epoch && part->agg_step == step && part->ready;
     if (!decided_before && !aggregated) return;  // still aggregating
-    entries.push_back(part->last_share);
+    if (decided_before) {
+      // Applied before (here or, as a backup then, by its primary): the
+      // decision itself, which every server applies to what it has left.
+      if (part->decided_step != step) {
+        spdlog::warn("partition {}: step {} was applied without a known decision; sharing it as finite and unclipped",
+                     part->state.id, step);
+      }
+      const bool known = part->decided_step == step;
+      entries.push_back(ps::ShareEntry{part->state.id,
+                                       ps::kShareDecided | (known && part->decided_skip ? 0u : ps::kShareFinite),
+                                       known ? part->decided_coef : 1.0});
+    } else {
+      entries.push_back(part->last_share);
+    }
   }
   Round& round = rounds_[{epoch, step}];
   round.shared = true;
@@ -585,9 +599,14 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
   span.Add("epoch", static_cast<int64_t>(epoch));
   double total = 0;
   bool finite = true;
+  const ps::ShareEntry* decided = nullptr;  // a partition that applied the step before
   for (const auto& [id, e] : round.entries) {
+    if ((e.finite & ps::kShareDecided) != 0) {
+      decided = &e;
+      continue;
+    }
     total += e.sum_squares;
-    finite = finite && e.finite != 0;
+    finite = finite && (e.finite & ps::kShareFinite) != 0;
   }
   finite = finite && std::isfinite(total);
   const double divisor = optimizer_->reduction() == v1::GRADIENT_REDUCTION_SUM
@@ -597,6 +616,12 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
   const double max_norm = optimizer_->max_grad_norm();
   const double norm = std::sqrt(total) / divisor;
   if (finite && max_norm > 0 && norm > max_norm) coef = max_norm / (norm + 1e-6);
+  if (decided != nullptr) {
+    // The step was decided before (a retry after a failure): the partitions
+    // that have not applied it apply that decision.
+    finite = (decided->finite & ps::kShareFinite) != 0;
+    coef = decided->sum_squares;
+  }
   const bool skip = !finite;
   if (skip) {
     counters_.skipped_steps.fetch_add(1);
@@ -616,8 +641,8 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
     }
   }
   const double grad_scale = coef / divisor;
-  auto apply = [this, parts = std::move(parts), epoch, step, skip, grad_scale]() mutable {
-    ApplyDecision(std::move(parts), epoch, step, skip, grad_scale);
+  auto apply = [this, parts = std::move(parts), epoch, step, skip, coef, grad_scale]() mutable {
+    ApplyDecision(std::move(parts), epoch, step, skip, coef, grad_scale);
   };
   if (StepFitsHereLocked()) {
     actions.push_back(std::move(apply));
@@ -627,7 +652,7 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
 }
 
 void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
-                                   double grad_scale) {
+                                   double coef, double grad_scale) {
   const auto crash_primary_of = FailpointNumber("ps.crash_on_decide_primary_of");
   // With crash_on_decide_primary_of, only in epoch 1: the server that
   // takes the partition over must not die of the same failpoint.
@@ -674,6 +699,9 @@ void ParameterStore::ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uin
       grad = part->acc;
     }
     part->state.step = step;
+    part->decided_step = step;
+    part->decided_coef = coef;
+    part->decided_skip = skip;
     part->ready = false;
     part->agg_epoch = 0;
     // Without a backup this answers the step's waiting pulls.

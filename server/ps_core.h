@@ -340,6 +340,10 @@ class ParameterStore {
     // and the partition goes on with a copy.
     std::shared_ptr<Lent> lent TANDEM_GUARDED_BY(mu);
     v1::ReplicaRole role TANDEM_GUARDED_BY(mu) = v1::REPLICA_ROLE_UNSPECIFIED;
+    // The store's epoch, set with the role (SetEpoch; a partition that left
+    // gets the epoch it left in): a push or pull checked against an older
+    // epoch before the change reached it is refused here, not parked.
+    uint64_t epoch TANDEM_GUARDED_BY(mu) = 0;
     uint64_t primary TANDEM_GUARDED_BY(mu) = 0;
     uint64_t backup TANDEM_GUARDED_BY(mu) = 0;
     bool needs_transfer TANDEM_GUARDED_BY(mu) = false;  // primary: the backup is new
@@ -362,6 +366,12 @@ class ParameterStore {
     std::chrono::steady_clock::time_point first_push TANDEM_GUARDED_BY(mu);
     // The decided step's share (kept to share again when a step is retried).
     ps::ShareEntry last_share TANDEM_GUARDED_BY(mu);
+    // The decision of the last step applied here (as primary, by a replica
+    // update, or with a transfer): when a step is retried after some
+    // partitions applied it, they share it, whichever server aggregated it.
+    uint64_t decided_step TANDEM_GUARDED_BY(mu) = 0;
+    double decided_coef TANDEM_GUARDED_BY(mu) = 1.0;
+    bool decided_skip TANDEM_GUARDED_BY(mu) = false;
     // Highest step the backup has acknowledged (or applied here, without a
     // backup).
     uint64_t safe_step TANDEM_GUARDED_BY(mu) = 0;
@@ -459,7 +469,7 @@ class ParameterStore {
   // learning rate `lr` (0: the schedule's; Optimizer::Apply's step_lr).
   void ApplyLocked(Part& part, const float* grad, double grad_scale, double lr) TANDEM_REQUIRES(part.mu);
   // Applies a decided sync step to the partitions that aggregated it.
-  void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip,
+  void ApplyDecision(std::vector<std::shared_ptr<Part>> parts, uint64_t epoch, uint64_t step, bool skip, double coef,
                      double grad_scale);
   // A partition completed `step`: hands its state to checkpoints waiting for
   // it.

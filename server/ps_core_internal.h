@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/optimizer/gradient.h"
+#include "common/status.h"
 #include "tandem/v1/server.pb.h"
 #include "tandem/v1/types.pb.h"
 
@@ -60,6 +61,12 @@ inline const char* ModeName(v1::ConsistencyMode mode) {
     default:
       return "sync";
   }
+}
+
+// What a push or pull of an epoch the server has left gets back: the
+// worker pushes the step again in the new one.
+inline Status Superseded(uint64_t old_epoch, uint64_t new_epoch) {
+  return Aborted("epoch {} was superseded by epoch {}; push the step again", old_epoch, new_epoch);
 }
 
 inline bool IsSync(const v1::ConsistencyConfig& c) {

@@ -79,7 +79,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
     }
     primaries_ = 0;
     other_servers_ = false;
-    const Status superseded = Aborted("epoch {} was superseded by epoch {}; push the step again", previous, epoch);
+    const Status superseded = Superseded(previous, epoch);
     std::set<uint32_t> held;
     size_t unsynced = 0;  // primaries whose backup does not hold the state yet
     for (const auto& p : map.partitions()) {
@@ -102,6 +102,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
       }
       Part& part = *slot;
       MutexLock plock(&part.mu);
+      part.epoch = epoch;
       if (part.state.begin != p.range().begin() || part.state.end != p.range().end()) {
         // A different partitioning (not produced by the coordinator, which
         // never moves boundaries): start the partition over.
@@ -176,6 +177,7 @@ void ParameterStore::SetEpoch(uint64_t epoch, uint64_t member_id, const v1::Shar
         // Kept past the erase: the partition dies (if it does) after its lock is released.
         std::shared_ptr<Part> gone = it->second;
         MutexLock plock(&gone->mu);
+        gone->epoch = epoch;
         SetScanPending(*gone, false);
         for (auto& pull : gone->pulls) {
           std::vector<char> payload;

@@ -134,7 +134,9 @@ void ParameterStore::Pull(uint64_t from, const ps::Frame& h, Reply reply) {
           [rep = std::move(pull.reply), r, body = std::move(body)]() mutable { rep(r, std::move(body)); });
       refused = true;
     };
-    if (sync) {
+    if (h.epoch != part->epoch) {
+      refuse_pull(Superseded(h.epoch, part->epoch));
+    } else if (sync) {
       if (h.step > part->state.step + 1) {
         // It could only be reached after a step this puller has not pushed.
         refuse_pull(FailedPrecondition("step {} is from the future: partition {} has completed step {}, the next is {}",

@@ -64,6 +64,10 @@ void ParameterStore::SendTransferLocked(Part& part, Actions& actions) {
   header.partition = part.state.id;
   header.step = part.state.step;
   header.version = part.state.version;
+  if (part.decided_step == part.state.step) {
+    header.flags = ps::kFlagDecided | (part.decided_skip ? ps::kFlagSkip : 0);
+    header.value = part.decided_coef;
+  }
   header.contributors =
       static_cast<uint32_t>((part.state.state0.empty() ? 0 : 1) + (part.state.state1.empty() ? 0 : 1));
   ++part.replicating;
@@ -161,9 +165,13 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
     reply(r, std::move(body));
   };
   std::shared_ptr<Part> part;
+  double divisor = 1.0;  // the grad scale's, to record the decision's coefficient
   {
     MutexLock lock(&mu_);
     if (h.epoch != epoch_) return answer(Aborted("update from epoch {}, this backup is at epoch {}", h.epoch, epoch_));
+    if (optimizer_.has_value() && optimizer_->reduction() != v1::GRADIENT_REDUCTION_SUM) {
+      divisor = static_cast<double>(std::max<uint32_t>(1, dp_size_));
+    }
     auto it = parts_.find(h.partition);
     if (it == parts_.end()) return answer(NotFound("partition {} is not held here", h.partition));
     part = it->second;
@@ -195,6 +203,9 @@ void ParameterStore::Replica(uint64_t from, const ps::Frame& h, const void* payl
   }
   part->state.step = h.step;
   part->safe_step = h.step;
+  part->decided_step = h.step;
+  part->decided_coef = h.value * divisor;
+  part->decided_skip = (h.flags & ps::kFlagSkip) != 0;
   plock.Unlock();
   answer(Status::Ok());
   StepCompleted(h.partition, h.step);
@@ -237,6 +248,9 @@ void ParameterStore::Transfer(uint64_t from, const ps::Frame& h, const void* pay
   part->state.version = h.version;
   part->state.step = h.step;
   part->safe_step = h.step;
+  part->decided_step = (h.flags & ps::kFlagDecided) != 0 ? h.step : 0;
+  part->decided_coef = h.value;
+  part->decided_skip = (h.flags & ps::kFlagSkip) != 0;
   counters_.transfers_received.fetch_add(1);
   spdlog::info("partition {}: received its state from member {} (version {}, step {})", h.partition, from,
                part->state.version, h.step);

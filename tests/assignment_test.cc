@@ -734,6 +734,79 @@ TEST(RebalancePrimariesExample, BadRequestsSayWhy) {
             InvalidArgument("previous shard map: partition 0 has server 1 as both primary and backup"));
 }
 
+// Partitions held (as primary or backup) by server, over `servers` and the
+// servers that hold a partition.
+std::map<uint64_t, int> Holdings(const v1::ShardMap& map, const std::vector<uint64_t>& servers) {
+  std::map<uint64_t, int> counts;
+  for (uint64_t id : servers) counts[id] = 0;
+  for (const auto& p : map.partitions()) {
+    ++counts[p.primary_member_id()];
+    if (p.backup_member_id() != 0) ++counts[p.backup_member_id()];
+  }
+  return counts;
+}
+
+TEST(RebalanceBackupsExample, AServerBackAmongThreeGetsBackupsThenPrimaries) {
+  auto map = BuildShardMap(120, 10, {1, 2, 3}, 1);
+  ASSERT_TRUE(map.ok());
+  auto same = RebalanceBackups(*map, {1, 2, 3}, 2);
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_TRUE(same->moved.empty());
+  EXPECT_EQ(same->map.SerializeAsString(), map->SerializeAsString());
+
+  // Server 3 dies and comes back: 1 and 2 keep every primary and backup
+  // between them, and 3 holds nothing.
+  auto failed = ReassignShardMap(*map, {1, 2}, 2);
+  ASSERT_TRUE(failed.ok());
+  auto back = ReassignShardMap(failed->map, {1, 2, 3}, 3);
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(Holdings(back->map, {1, 2, 3}), (std::map<uint64_t, int>{{1, 12}, {2, 12}, {3, 0}}));
+  // Swapping alone cannot help it.
+  auto no_swap = RebalancePrimaries(back->map, 4);
+  ASSERT_TRUE(no_swap.ok());
+  EXPECT_EQ(PrimaryCounts(no_swap->map)[3], 0);
+
+  // Backups move to it first: 8 of the 24 holdings.
+  auto moved = RebalanceBackups(back->map, {1, 2, 3}, 4);
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(moved->moved.size(), 8u);
+  EXPECT_EQ(moved->map.version(), 4u);
+  EXPECT_EQ(Holdings(moved->map, {1, 2, 3}), (std::map<uint64_t, int>{{1, 8}, {2, 8}, {3, 8}}));
+  for (int i = 0; i < back->map.partitions_size(); ++i) {
+    EXPECT_EQ(moved->map.partitions(i).primary_member_id(), back->map.partitions(i).primary_member_id());
+  }
+  // Once they hold their state, swaps give it a third of the primaries.
+  auto swapped = RebalancePrimaries(moved->map, 5);
+  ASSERT_TRUE(swapped.ok());
+  EXPECT_EQ(PrimaryCounts(swapped->map), (std::map<uint64_t, int>{{1, 4}, {2, 4}, {3, 4}}));
+  EXPECT_EQ(Holdings(swapped->map, {1, 2, 3}), (std::map<uint64_t, int>{{1, 8}, {2, 8}, {3, 8}}));
+  // Even: neither step changes anything more.
+  auto settled = RebalanceBackups(swapped->map, {1, 2, 3}, 6);
+  ASSERT_TRUE(settled.ok());
+  EXPECT_TRUE(settled->moved.empty());
+  EXPECT_TRUE(RebalancePrimaries(swapped->map, 6)->swapped.empty());
+}
+
+TEST(RebalanceBackupsExample, AServerAddedToTheJobTakesItsShare) {
+  auto map = BuildShardMap(120, 10, {1, 2, 3}, 1);
+  ASSERT_TRUE(map.ok());
+  auto moved = RebalanceBackups(*map, {1, 2, 3, 4}, 2);
+  ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+  EXPECT_EQ(Holdings(moved->map, {1, 2, 3, 4}), (std::map<uint64_t, int>{{1, 6}, {2, 6}, {3, 6}, {4, 6}}));
+  auto swapped = RebalancePrimaries(moved->map, 3);
+  ASSERT_TRUE(swapped.ok());
+  EXPECT_EQ(PrimaryCounts(swapped->map), (std::map<uint64_t, int>{{1, 3}, {2, 3}, {3, 3}, {4, 3}}));
+}
+
+TEST(RebalanceBackupsExample, BadRequestsSayWhy) {
+  auto map = BuildShardMap(20, 10, {1, 2}, 3);
+  ASSERT_TRUE(map.ok());
+  EXPECT_EQ(RebalanceBackups(*map, {1, 2}, 3).status(),
+            InvalidArgument("new shard map version 3 must be greater than the previous version 3"));
+  EXPECT_EQ(RebalanceBackups(*map, {1, 0}, 4).status(), InvalidArgument("server id 0 is not a valid member id"));
+  EXPECT_EQ(RebalanceBackups(*map, {2, 1, 2}, 4).status(), InvalidArgument("server 2 is listed twice"));
+}
+
 // ===========================================================================
 // Properties: shard map
 // ===========================================================================
@@ -959,6 +1032,73 @@ TEST(RebalancePrimariesProperty, SwapsOnlyPrimaryAndBackupAndLeavesNoMoveThatWou
     ASSERT_TRUE(again.ok());
     EXPECT_TRUE(again->swapped.empty());
     EXPECT_EQ(again->map.SerializeAsString(), next.SerializeAsString());
+  }
+}
+
+TEST(RebalanceBackupsProperty, ServersThatLeftAndCameBackOrJoinedEndWithTheirShare) {
+  for (int i = 0; i < kCases && !HasFailure(); ++i) {
+    const uint64_t seed = BaseSeed() + 600000 + static_cast<uint64_t>(i);
+    SCOPED_TRACE("seed " + std::to_string(seed));
+    std::mt19937_64 rng(seed);
+    uint64_t next_id = 0;
+    std::vector<uint64_t> servers = RandomServers(rng, next_id, 2, 6);
+    const uint64_t partitions = 1 + rng() % 40;
+    auto built = BuildShardMap(partitions * 4, 4, servers, 1);
+    ASSERT_TRUE(built.ok());
+    v1::ShardMap map = *built;
+    uint64_t version = 1;
+    // Servers die and come back, or join, the survivors keeping the map
+    // (ReassignShardMap); then rounds of backups then swaps, as the
+    // coordinator runs them, until neither changes anything.
+    for (int event = 0; event < 3; ++event) {
+      std::vector<uint64_t> live = servers;
+      if (live.size() > 2 && rng() % 2 == 0) {
+        live.erase(live.begin() + static_cast<std::ptrdiff_t>(rng() % live.size()));
+        auto failed = ReassignShardMap(map, live, ++version);
+        ASSERT_TRUE(failed.ok());
+        map = failed->map;
+      } else {
+        servers.push_back(++next_id + 1000);
+      }
+      auto back = ReassignShardMap(map, servers, ++version);
+      ASSERT_TRUE(back.ok());
+      map = back->map;
+    }
+    for (int round = 0; round < 8; ++round) {
+      const v1::ShardMap before = map;
+      auto moved = RebalanceBackups(map, servers, version + 1);
+      ASSERT_TRUE(moved.ok()) << moved.status().ToString();
+      CheckCoverage(moved->map, partitions * 4, 4);
+      for (int k = 0; k < map.partitions_size(); ++k) {
+        const auto& was = map.partitions(k);
+        const auto& now = moved->map.partitions(k);
+        EXPECT_EQ(now.primary_member_id(), was.primary_member_id());
+        EXPECT_NE(now.backup_member_id(), now.primary_member_id());
+        EXPECT_EQ(now.backup_member_id() == 0, was.backup_member_id() == 0);
+      }
+      if (!moved->moved.empty()) {
+        map = moved->map;
+        ++version;
+        continue;  // the swaps wait until the new backups hold their state
+      }
+      auto swapped = RebalancePrimaries(map, version + 1);
+      ASSERT_TRUE(swapped.ok());
+      if (swapped->swapped.empty()) break;
+      map = swapped->map;
+      ++version;
+      ASSERT_NE(map.SerializeAsString(), before.SerializeAsString());
+    }
+    // Every server holds its share, within one, and so many primaries.
+    const auto holdings = Holdings(map, servers);
+    auto spread = [](const std::map<uint64_t, int>& c) {
+      auto [lo, hi] = std::minmax_element(c.begin(), c.end(), [](auto& a, auto& b) { return a.second < b.second; });
+      return hi->second - lo->second;
+    };
+    EXPECT_LE(spread(holdings), 1) << ::testing::PrintToString(holdings);
+    std::map<uint64_t, int> primaries;
+    for (uint64_t id : servers) primaries[id] = 0;
+    for (const auto& p : map.partitions()) ++primaries[p.primary_member_id()];
+    EXPECT_LE(spread(primaries), 1) << ::testing::PrintToString(primaries) << ::testing::PrintToString(Placement(map));
   }
 }
 

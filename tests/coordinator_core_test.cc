@@ -557,6 +557,67 @@ TEST_F(CoreTest, PrimariesAreRebalancedOnceEveryServerReportsItsBackupsInSync) {
   EXPECT_EQ(Latest(w).state(), v1::EPOCH_STATE_ACTIVE);
 }
 
+TEST_F(CoreTest, AServerBackAmongThreeGetsBackupsThenPrimaries) {
+  Open();
+  auto spec = Spec(1, 1, 3);
+  spec.set_parameter_count(12 << 20);
+  spec.set_partition_size_bytes(4u << 20);  // 12 partitions
+  ASSERT_TRUE(core_->CreateJob(spec).ok());
+  const M s0 = Join("s0", v1::ROLE_SERVER);
+  const M s1 = Join("s1", v1::ROLE_SERVER);
+  const M s2 = Join("s2", v1::ROLE_SERVER);
+  const M w = Join("n0");
+  AckAll(Latest(w));
+  TickWithout(milliseconds(3100), {s2.id});
+  AckAll(Latest(w));
+  const M back = Join("s2", v1::ROLE_SERVER);
+  Tick(milliseconds(600));
+  auto e = Latest(w);
+  ASSERT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
+  auto held = [](const v1::ShardMap& map, uint64_t id) {
+    int primaries = 0, backups = 0;
+    for (const auto& p : map.partitions()) {
+      primaries += p.primary_member_id() == id ? 1 : 0;
+      backups += p.backup_member_id() == id ? 1 : 0;
+    }
+    return std::pair{primaries, backups};
+  };
+  // The survivors kept every primary and backup: the returning server holds nothing.
+  EXPECT_EQ(held(e.shard_map(), back.id), (std::pair{0, 0}));
+  AckAll(e);
+  replicated_[s0.id] = replicated_[s1.id] = replicated_[back.id] = e.epoch();
+  Tick(milliseconds(100));
+  // First its share of backups (the primaries stay)...
+  const auto before = e;
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), before.epoch() + 1);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_REBALANCE);
+  EXPECT_NE(e.cause_detail().find("backups moved"), std::string::npos) << e.cause_detail();
+  EXPECT_EQ(held(e.shard_map(), back.id), (std::pair{0, 8}));
+  for (int i = 0; i < e.shard_map().partitions_size(); ++i) {
+    EXPECT_EQ(e.shard_map().partitions(i).primary_member_id(), before.shard_map().partitions(i).primary_member_id());
+  }
+  EXPECT_EQ(Ranks(e), Ranks(before));
+  AckAll(e);
+  // ...then, once they hold their state, a third of the primaries.
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), e.epoch());
+  replicated_[s0.id] = replicated_[s1.id] = replicated_[back.id] = e.epoch();
+  Tick(milliseconds(100));
+  const auto moved = e;
+  e = Latest(w);
+  ASSERT_EQ(e.epoch(), moved.epoch() + 1);
+  EXPECT_EQ(e.cause(), v1::EPOCH_CAUSE_REBALANCE);
+  EXPECT_NE(e.cause_detail().find("primaries rebalanced"), std::string::npos) << e.cause_detail();
+  for (uint64_t id : {s0.id, s1.id, back.id}) EXPECT_EQ(held(e.shard_map(), id), (std::pair{4, 4})) << id;
+  // Even: no more.
+  AckAll(e);
+  replicated_[s0.id] = replicated_[s1.id] = replicated_[back.id] = e.epoch();
+  Tick(milliseconds(100));
+  Tick(milliseconds(100));
+  EXPECT_EQ(Latest(w).epoch(), e.epoch());
+}
+
 TEST_F(CoreTest, NoRebalanceWhileAMemberJoins) {
   Open();
   auto spec = Spec(1, 1, 2);

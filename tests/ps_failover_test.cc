@@ -11,6 +11,7 @@
 #include <optional>
 #include <random>
 #include <set>
+#include <thread>
 
 #include <gtest/gtest.h>
 
@@ -398,6 +399,76 @@ TEST_F(PsCoreTest, APrimarySwappedWithItsInSyncBackupKeepsEveryUpdateOnce) {
   restored.weights.assign(end - begin, 0.5f);
   ASSERT_TRUE(PrimaryOf(1).Replace({restored}, false).ok());
   EXPECT_EQ(PrimaryOf(1).ReplicatedEpoch(), 0u);
+}
+
+// A pull or push checked against the server's epoch just before it moved
+// to the next is refused there, never parked for a step no one will push in
+// that epoch again: pulls and pushes of the old epoch race SetEpoch.
+TEST_F(PsCoreTest, FramesRacingAnEpochChangeAreAnsweredNeverParked) {
+  Job job;
+  Start(2, job);
+  RunStep(1, 2);
+  ParameterStore& store = PrimaryOf(0);
+  auto [begin, end] = Range(0);
+  const auto grad = Grad(2, 0, begin, end);
+  for (int i = 0; i < 300 && !HasFailure(); ++i) {
+    const uint64_t e = epoch_;
+    std::shared_ptr<Answer> pulled, pushed;
+    // Step 2 is never complete: a pull parked in epoch e waits for it.
+    std::thread puller([&] { pulled = Pull(store, e, 2, 0); });
+    std::thread pusher([&] { pushed = Push(store, e, 2, 0, 0, 2, grad); });
+    SetEpoch(e + 1);
+    puller.join();
+    pusher.join();
+    ASSERT_TRUE(pulled->done) << "a pull of epoch " << e << " was parked past the change (iteration " << i << ")";
+    const StatusCode code = pulled->status().code();
+    EXPECT_TRUE(code == StatusCode::kAborted || code == StatusCode::kFailedPrecondition) << pulled->status().ToString();
+    // The push either counted in epoch e (and its aggregation dies with it)
+    // or was refused; it never counts in epoch e + 1.
+    ASSERT_TRUE(pushed->done);
+  }
+  // Epoch e + 1 aggregates step 2 from its own pushes only.
+  RunStep(2, 2);
+  const auto reference = ReferenceRun(job, 2, 2);
+  const auto params = PullAll(2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+}
+
+// A step decided and applied on two servers but not on a third that died
+// with it undecided: its partitions' promoted backups need the step again,
+// and the workers push it again in the next epoch. A partition that applied
+// it where it was then a backup (its roles swapped in that epoch) shares
+// the decision it was replicated with, so the retried step is decided on
+// every server and ends where a failure-free run does.
+TEST_F(PsCoreTest, AStepRetriedAfterARoleSwapIsDecidedFromTheDecisionItWasReplicatedWith) {
+  Job job;
+  Start(3, job);
+  RunStep(1, 2);
+  const uint64_t a = kFirstServer, b = kFirstServer + 1, c = kFirstServer + 2;
+  ASSERT_GE(Partitions(), 4u);
+  ASSERT_EQ(map_.partitions(3).primary_member_id(), a);
+  ASSERT_EQ(map_.partitions(3).backup_member_id(), b);
+  // c hears no one's share of step 2: a and b decide it and apply it, c
+  // never does, and then dies.
+  cluster_.nodes[c]->alive = false;
+  for (uint32_t p = 0; p < Partitions(); ++p) {
+    auto [begin, end] = Range(p);
+    for (uint32_t k = 0; k < 2; ++k) {
+      ASSERT_TRUE(AnsweredOk(Push(PrimaryOf(p), epoch_, 2, p, k, 2, Grad(2, k, begin, end))));
+    }
+  }
+  ASSERT_EQ(PrimaryOf(3).Stats({3}).partitions(0).step(), 2u);
+  map_ = Reassign(map_, {a, b});
+  // And partition 3's backup, which applied step 2 by replica, becomes its primary.
+  map_.mutable_partitions(3)->set_primary_member_id(b);
+  map_.mutable_partitions(3)->set_backup_member_id(a);
+  SetEpoch(2);
+  const auto params = RunStep(2, 2);
+  const auto reference = ReferenceRun(job, 2, 2);
+  ASSERT_EQ(params.size(), reference.size());
+  EXPECT_EQ(std::memcmp(params.data(), reference.data(), params.size() * sizeof(float)), 0);
+  ExpectReplicasEqual();
 }
 
 }  // namespace
