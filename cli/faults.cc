@@ -122,12 +122,14 @@ Status CheckFaults(const std::vector<Fault>& faults, const FaultSpace& space) {
             "server per node, each partition backed up on another)",
             where);
       }
-      if (f.duration > kShortPartition &&
+      if (f.duration > kShortPartition && !space.rollback &&
           std::find(space.server_nodes.begin(), space.server_nodes.end(), node) != space.server_nodes.end()) {
         return InvalidArgument(
             "{}: node-{} holds a server; cut off for longer than {} ms it loses a server and workers together, and a "
-            "step that server decided but did not replicate loses the gradients of the workers that died with it "
-            "(docs/failures.md): cut it off for at most {} ms, or cut off a node without a server",
+            "step that server decided but did not replicate loses the gradients of the workers that died with it, "
+            "which only a rollback to a checkpoint restores (docs/failures.md): give the run checkpoints "
+            "(--train-checkpoint-every and --train-checkpoint-dir, a synchronous server mode), cut it off for at "
+            "most {} ms, or cut off a node without a server",
             where, node, kShortPartition.count(), kShortPartition.count());
       }
       continue;
@@ -223,9 +225,10 @@ std::vector<Fault> DrawChaos(const ChaosSpec& spec, const FaultSpace& space) {
       const int node = std::stoi(f.target.substr(5));
       const bool server =
           std::find(space.server_nodes.begin(), space.server_nodes.end(), node) != space.server_nodes.end();
-      // A node with a server: ridden out (0.5-1.5 s); without: 2-6 s, evicted.
-      f.duration =
-          server ? std::chrono::milliseconds(500 + 250 * below(5)) : std::chrono::milliseconds(2000 + 500 * below(9));
+      // A node with a server, where the job could not roll back: ridden out
+      // (0.5-1.5 s); otherwise 2-6 s, evicted.
+      f.duration = server && !space.rollback ? std::chrono::milliseconds(500 + 250 * below(5))
+                                             : std::chrono::milliseconds(2000 + 500 * below(9));
     }
     if (f.kind == FaultKind::kSlow) f.duration = std::chrono::milliseconds(3000 + 500 * below(5));  // 3-5 s
     faults.push_back(std::move(f));

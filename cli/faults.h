@@ -64,9 +64,9 @@ struct FaultSpace {
   // deadline, such a node loses a server and workers in the same
   // membership change: a step the server had decided but not replicated
   // has lost the gradients of the workers that died with it, which nothing
-  // but a rollback restores (and the runtime does not roll back for that
-  // yet). So these nodes are only cut off for less than kShortPartition,
-  // which the job rides out in the same epoch.
+  // but a rollback to a checkpoint restores. Without `rollback` these
+  // nodes are only cut off for less than kShortPartition, which the job
+  // rides out in the same epoch.
   std::vector<int> server_nodes;
   // Whether the job survives losing every server at once (both copies of
   // every partition): a synchronous server mode that writes checkpoints,
@@ -79,8 +79,9 @@ struct FaultSpace {
 // says why not).
 Status CheckFaults(const std::vector<Fault>& faults, const FaultSpace& space);
 
-// The longest partition of a node holding a server that is promised to be
-// ridden out: well under the heartbeat deadline of `tandem run` (3 s).
+// The longest partition of a node holding a server that a job without
+// checkpoints is promised to ride out: well under the heartbeat deadline of
+// `tandem run` (3 s).
 inline constexpr std::chrono::milliseconds kShortPartition{1500};
 
 // --chaos SEED[:N]: N (default 3) faults, 1 to 64.

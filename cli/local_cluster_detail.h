@@ -250,16 +250,17 @@ class LocalCluster {
   struct ActiveFault {
     size_t index = 0;  // in summary_.injected
     Clock::time_point t0{};
-    std::set<int> pids;             // the processes it hit
-    Supervised* process = nullptr;  // kill, stop, slow of one process
-    std::vector<Supervised*> hit;   // the processes it hit (kill, stop, slow)
-    int node = -1;                  // partition
-    Clock::time_point ends{};       // partition, slow
-    bool over = false;              // kill, stop: at once; partition, slow: at `ends`
+    std::set<int> pids;            // the processes it hit
+    std::vector<Supervised*> hit;  // the processes it hit (kill, stop, slow)
+    int node = -1;                 // partition
+    Clock::time_point ends{};      // partition, slow
+    bool over = false;             // kill, stop: at once; partition, slow: at `ends`
     // When the fault's effect was over: the process it hit is up again
     // (a new incarnation), the link is up, the process runs at full speed.
     std::optional<Clock::time_point> settled;
     Clock::time_point next_toggle{};  // slow: when to stop or continue it next
+    // The one process a kill, stop or slow of one process hit (else null).
+    Supervised* process() const { return hit.size() == 1 ? hit.front() : nullptr; }
   };
   std::optional<ActiveFault> active_;
   size_t rollbacks_seen_ = 0;

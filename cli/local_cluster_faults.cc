@@ -165,7 +165,6 @@ void LocalCluster::Inject(const Fault& f, uint64_t last) {
     Supervised* p = supervisor_->Find(f.target);
     if (p == nullptr || !p->up()) return;
     a.hit.push_back(p);
-    a.process = p;
     a.pids.insert(p->pid());
     switch (f.kind) {
       case FaultKind::kKill:
@@ -207,24 +206,24 @@ void LocalCluster::FollowFault() {
       const Status s = network_->SetNodeLink(a.node, true);
       Event(s.ok() ? fmt::format("node-{} is connected again after {:.1f} s", a.node, Seconds(now - a.t0))
                    : "could not end the partition: " + s.message());
-    } else if (a.process->pid() == *a.pids.begin()) {
-      supervisor_->Resume(*a.process);
-      Event(fmt::format("{} runs at full speed again", a.process->name()));
+    } else if (a.process()->pid() == *a.pids.begin()) {
+      supervisor_->Resume(*a.process());
+      Event(fmt::format("{} runs at full speed again", a.process()->name()));
     }
-  } else if (!a.over && f.kind == FaultKind::kSlow && now >= a.next_toggle && a.process->pid() == *a.pids.begin()) {
+  } else if (!a.over && f.kind == FaultKind::kSlow && now >= a.next_toggle && a.process()->pid() == *a.pids.begin()) {
     // Stopped 300 ms of every 400 ms.
-    if (a.process->stopped) {
-      supervisor_->Resume(*a.process);
+    if (a.process()->stopped) {
+      supervisor_->Resume(*a.process());
       a.next_toggle = now + std::chrono::milliseconds(100);
     } else {
-      supervisor_->Pause(*a.process);
+      supervisor_->Pause(*a.process());
       a.next_toggle = now + std::chrono::milliseconds(300);
     }
   }
   if (record.detected_seconds < 0) {
     std::string seen;
-    if (a.process != nullptr && a.process->role == ProcessRole::kCoordinator) {
-      if (!a.process->up() || a.process->pid() != *a.pids.begin()) seen = "the supervisor saw it end";
+    if (a.process() != nullptr && a.process()->role == ProcessRole::kCoordinator) {
+      if (!a.process()->up() || a.process()->pid() != *a.pids.begin()) seen = "the supervisor saw it end";
     } else if (status_ && status_fresh_ > a.t0) {
       for (const auto& m : status_->members()) {
         if (!a.pids.count(static_cast<int>(m.pid()))) continue;

@@ -222,9 +222,13 @@ TEST(FaultsTest, BadFaultsAreRefusedNamingWhatIsWrong) {
   EXPECT_NE(check("kill:worker-0@100", Cluster()).find("below --steps (100)"), std::string::npos);
   EXPECT_NE(check("partition:node-2@3/1s", Cluster()).find("node-0 .. node-1"), std::string::npos);
   EXPECT_NE(check("partition:worker-0@3/1s", Cluster()).find("a partition's target is a node"), std::string::npos);
-  // A node with a server is only cut off for less than the heartbeat deadline.
+  // A node with a server is only cut off for less than the heartbeat
+  // deadline, unless the job can roll back to a checkpoint.
   EXPECT_NE(check("partition:node-0@3/2s", Cluster()).find("node-0 holds a server"), std::string::npos);
   EXPECT_EQ(check("partition:node-0@3/1500ms", Cluster()), "");
+  FaultSpace rolls_back = Cluster();
+  rolls_back.rollback = true;
+  EXPECT_EQ(check("partition:node-0@3/5s", rolls_back), "");
   FaultSpace loopback = Cluster();
   loopback.namespaces = false;
   EXPECT_NE(check("partition:node-1@3/1s", loopback).find("network namespaces"), std::string::npos);
@@ -283,13 +287,18 @@ TEST(FaultsTest, AChaosDrillIsTheSeedsAloneAndOnlyWhatTheJobSurvives) {
   // With checkpoints, every server at once too (a rollback).
   FaultSpace checkpointed = space;
   checkpointed.rollback = true;
-  bool all_servers = false;
+  // and a node holding a server cut off for longer than the heartbeat deadline.
+  bool all_servers = false, long_server_partition = false;
   for (uint64_t seed = 1; seed <= 40; ++seed) {
     const auto drill = DrawChaos({seed, 4}, checkpointed);
     EXPECT_TRUE(CheckFaults(drill, checkpointed).ok());
-    for (const Fault& f : drill) all_servers |= f.target == "servers";
+    for (const Fault& f : drill) {
+      all_servers |= f.target == "servers";
+      long_server_partition |= f.kind == FaultKind::kPartition && f.target == "node-0" && f.duration > kShortPartition;
+    }
   }
   EXPECT_TRUE(all_servers);
+  EXPECT_TRUE(long_server_partition);
   for (uint64_t seed = 1; seed <= 40; ++seed) {
     for (const Fault& f : DrawChaos({seed, 4}, space)) EXPECT_NE(f.target, "servers");
   }
