@@ -573,6 +573,28 @@ function keyProblems() {
   return problems;
 }
 
+// With a shared checkpoint claim (servers.checkpoints.existingClaim), every worker container mounts it
+// where the servers do: global rank 0 lists it to roll the job back.
+function checkpointProblems(docs, c) {
+  const problems = [];
+  if (!c.external.claims.length) return problems;
+  const claim = c.external.claims[0];
+  const serverMounts = new Set();
+  for (const w of workloads(docs).filter((w) => w.metadata.name.endsWith("-server"))) {
+    for (const ct of podSpecOf(w).containers) for (const m of ct.volumeMounts || []) if (m.name === "checkpoints") serverMounts.add(m.mountPath);
+  }
+  for (const w of workloads(docs).filter((w) => w.metadata.name.endsWith("-worker"))) {
+    const pod = podSpecOf(w);
+    const volume = (pod.volumes || []).find((v) => v.name === "checkpoints");
+    if (volume?.persistentVolumeClaim?.claimName !== claim) problems.push(`${w.metadata.name}: does not mount the checkpoint claim ${claim}`);
+    for (const ct of pod.containers) {
+      const m = (ct.volumeMounts || []).find((m) => m.name === "checkpoints");
+      if (!m || !serverMounts.has(m.mountPath)) problems.push(`${w.metadata.name}/${ct.name}: checkpoints not mounted where the servers have them (${[...serverMounts]})`);
+    }
+  }
+  return problems;
+}
+
 // --- cases ---------------------------------------------------------------------------------
 
 function makeCertificate() {
@@ -638,6 +660,7 @@ for (const c of cases) {
     problems.push(...referenceProblems(docs, c.external));
     problems.push(...daemonProblems(docs, c));
     problems.push(...monitoringProblems(docs, c));
+    problems.push(...checkpointProblems(docs, c));
     if (c.auth && !c.external.secrets.length && !byKind(docs, "Secret").some((s) => s.data?.token)) problems.push("auth is on but no token Secret is rendered");
   }
   report(`${c.name}: lint, render, ${docs.length} objects valid and consistent`, problems);
