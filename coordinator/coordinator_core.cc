@@ -9,6 +9,7 @@
 #include "common/grpc_util.h"
 #include "coordinator/assignment.h"
 #include "coordinator/coordinator_core_util.h"
+#include "tandem/config.h"
 
 namespace tandem::coordinator {
 namespace {
@@ -55,6 +56,27 @@ Status ValidateMemberName(const std::string& name) {
     if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-')) {
       return InvalidArgument("member_name '{}': only letters, digits, '.', '_' and '-' are accepted", name);
     }
+  }
+  return Status::Ok();
+}
+
+// RegisterRequest.version: empty (no check), or MAJOR[.MINOR[.PATCH]][-suffix]
+// of at most 64 bytes whose major is this coordinator's: members of another
+// major version speak another protocol.
+Status CheckMemberVersion(const std::string& version) {
+  if (version.empty()) return Status::Ok();
+  if (version.size() > 64) return InvalidArgument("version: {} bytes, at most 64 accepted", version.size());
+  size_t digits = 0;
+  while (digits < version.size() && std::isdigit(static_cast<unsigned char>(version[digits]))) ++digits;
+  if (digits == 0 || digits > 9 || (digits < version.size() && version[digits] != '.' && version[digits] != '-')) {
+    return InvalidArgument("version '{}': expected MAJOR.MINOR.PATCH, for example {}", version, TANDEM_VERSION);
+  }
+  const int major = std::stoi(version.substr(0, digits));
+  if (major != TANDEM_VERSION_MAJOR) {
+    return FailedPrecondition(
+        "version: the member runs Tandem {}, this coordinator {}; members and coordinator must share the major "
+        "version (upgrade them together)",
+        version, TANDEM_VERSION);
   }
   return Status::Ok();
 }
@@ -458,6 +480,7 @@ Result<CoordinatorCore::Reply<v1::RegisterResponse>> CoordinatorCore::Register(c
     TANDEM_RETURN_IF_ERROR(ParseHostPort(request.control_address()).status().WithContext("control_address"));
   }
   TANDEM_RETURN_IF_ERROR(ValidateMemberName(request.member_name()));
+  TANDEM_RETURN_IF_ERROR(CheckMemberVersion(request.version()));
 
   MutexLock lock(&mu_);
   auto it = jobs_.find(request.job_id());

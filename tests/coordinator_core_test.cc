@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "common/member_session.h"
+#include "tandem/config.h"
 #include "test_util.h"
 
 namespace tandem::coordinator {
@@ -1079,6 +1080,29 @@ TEST_F(CoreTest, MemberNamesAreValidated) {
       << long_name.status().message();
   EXPECT_TRUE(TryJoinAs("n0", std::string(128, 'w'), 1, 10).ok());
   EXPECT_TRUE(TryJoinAs("n0", "tandem-workers-0_1.a", 1, 10).ok());
+}
+
+TEST_F(CoreTest, AMemberOfAnotherMajorVersionIsRefusedNamingBoth) {
+  Open();
+  ASSERT_TRUE(core_->CreateJob(Spec(1, 4)).ok());
+  auto join = [&](const std::string& version) {
+    v1::RegisterRequest r;
+    r.set_job_id("j");
+    r.set_role(v1::ROLE_WORKER);
+    r.mutable_node()->set_hostname("n0");
+    r.set_version(version);
+    return core_->Register(r).status();
+  };
+  EXPECT_TRUE(join(TANDEM_VERSION).ok());
+  EXPECT_TRUE(join("").ok());  // no version: not checked
+  EXPECT_TRUE(join(std::to_string(TANDEM_VERSION_MAJOR) + ".999.1-dev").ok());
+  const Status other = join(std::to_string(TANDEM_VERSION_MAJOR + 1) + ".0.0");
+  EXPECT_EQ(other.code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(other.message().find(std::string("this coordinator ") + TANDEM_VERSION), std::string::npos)
+      << other.message();
+  for (const std::string& bad : std::vector<std::string>{"x.1", ".1", "1x", std::string(65, '1')}) {
+    EXPECT_EQ(join(bad).code(), StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 TEST_F(CoreTest, NamesIncarnationsAndPidsSurviveARestart) {
