@@ -474,7 +474,10 @@ TEST_P(CommunicatorFailureTest, ARankKilledWhileEveryRankIsInsideNeverHangsTheOt
     return Status::Ok();
   });
   killer.join();
-  EXPECT_LT(Clock::now() - start, timeout + milliseconds(1000)) << Describe(results);
+  // Never hangs: a generous bound (a sanitizer build on a loaded 2-core
+  // machine once took 13.5 s); how fast survivors notice is measured by
+  // ARankKilledMidCollectiveIsNamedBySurvivorsWithinTheTimeout.
+  EXPECT_LT(Clock::now() - start, 15 * timeout) << Describe(results);
   for (int r : {0, 1, 3, 4}) {
     const Status& s = results[static_cast<size_t>(r)];
     EXPECT_TRUE(s.code() == StatusCode::kUnavailable || s.code() == StatusCode::kDeadlineExceeded)
