@@ -1,5 +1,5 @@
 // Small conversions and names that the coordinator core's source files share
-// (coordinator_core.cc and coordinator_status.cc): durations and timestamps
+// (coordinator_core.cc, coordinator_log.cc, coordinator_status.cc): durations and timestamps
 // to and from protobuf, member state and role names, and a member's host key.
 // Internal to the core: not part of its interface.
 //
