@@ -8,9 +8,12 @@
 // communication after backward and, in the next forward, for parameters still
 // arriving: the communication that the computation did not hide.
 #include <stdlib.h>
+#include <time.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 
 #include <fmt/ranges.h>
 
@@ -19,6 +22,7 @@
 #include "cli/local_cluster.h"
 #include "common/config.h"
 #include "common/shutdown.h"
+#include "common/trace.h"
 #include "worker/runtime/trainer.h"
 
 namespace tandem::cli {
@@ -35,29 +39,84 @@ struct Row {
   double last_loss = 0;
 };
 
+// The recorder's own cost, on this machine: CPU time (every thread of this
+// process: recording and the writer's formatting and writing) per span of
+// the kind a step records, over `n` spans; and in *recording, the recording
+// thread's alone (what a traced thread pays on its own path).
+Result<double> RecorderNanosPerSpan(int n, double* recording) {
+  char tmpl[] = "/tmp/tandem-bench-trace-XXXXXX";
+  if (mkdtemp(tmpl) == nullptr) return Unavailable("cannot make a trace directory in /tmp");
+  trace::Config config;
+  config.dir = tmpl;
+  TANDEM_RETURN_IF_ERROR(trace::Start(config, "bench", "recorder"));
+  const auto cpu = [](clockid_t clock) {
+    timespec ts;
+    clock_gettime(clock, &ts);
+    return static_cast<double>(ts.tv_sec) * 1e9 + static_cast<double>(ts.tv_nsec);
+  };
+  const double start = cpu(CLOCK_PROCESS_CPUTIME_ID), thread_start = cpu(CLOCK_THREAD_CPUTIME_ID);
+  for (int i = 0; i < n; ++i) {
+    trace::Span span("push", "ps", 1);
+    span.Add("partition", i & 15);
+    span.Add("server", 1);
+    span.Add("corr", i);
+    span.Add("bytes", 65536);
+  }
+  *recording = (cpu(CLOCK_THREAD_CPUTIME_ID) - thread_start) / n;
+  trace::Stop();  // the writer's last drain, counted
+  const double ns = (cpu(CLOCK_PROCESS_CPUTIME_ID) - start) / n;
+  std::filesystem::remove_all(tmpl);
+  return ns;
+}
+
+// Spans per step and process in the trace files of `dir` (the largest).
+double SpansPerStep(const std::string& dir, int64_t steps) {
+  double most = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    std::ifstream in(entry.path());
+    double n = 0;
+    for (std::string line; std::getline(in, line);) n += line.starts_with("{\"ph\"");
+    most = std::max(most, n / static_cast<double>(std::max<int64_t>(1, steps)));
+  }
+  return most;
+}
+
 // The cost of tracing: per mode, `rounds` pairs of runs, one without
 // tracing and one tracing every step (in alternating order, so that both see
 // the same drift of the machine), each run's median step time; the overhead
-// is the median over the pairs of traced / untraced - 1.
+// is the median over the pairs of traced / untraced - 1. Beside it, what
+// does not depend on the machine's load: the recorder's CPU time per span
+// times the spans a process records per step, over the untraced step time.
 int TraceOverhead(const ClusterOptions& o, const std::string& modes, int64_t rounds, bool json,
                   ShutdownSignal& shutdown) {
+  constexpr int kSpans = 100000;
+  double recording = 0;
+  auto per_span = RecorderNanosPerSpan(kSpans, &recording);
+  if (!per_span.ok()) {
+    fmt::print(stderr, "tandem bench train: {}\n", per_span.status().ToString());
+    return 1;
+  }
   if (!json) {
     fmt::print(
         "# tandem bench train --trace-rounds {}: reference model, {} layers x d_model {}, global batch {}, {} steps "
         "per run; {} node(s) x {} worker(s), {} server(s), network {}\n"
         "# median step time of each run (steps 2..N), {} rounds of a run without tracing and one tracing every step, "
-        "in alternating order; overhead: median over the rounds of traced / untraced - 1\n",
+        "in alternating order; overhead: median over the rounds of traced / untraced - 1\n"
+        "# recorder: {:.0f} ns of CPU per span, {:.0f} ns of them on the recording thread (the rest formats and "
+        "writes; {} spans); CPU per step: that times the spans per step of the busiest process, over the untraced "
+        "step\n",
         rounds, o.train.layers, o.train.d_model, o.train.global_batch, o.train.steps, o.nodes, o.workers_per_node,
-        o.servers, o.network, rounds);
-    fmt::print("{:<10} {:>14} {:>14} {:>10} {:>22}\n", "mode", "untraced ms", "traced ms", "overhead",
-               "per round (traced/untraced)");
+        o.servers, o.network, rounds, *per_span, recording, kSpans);
+    fmt::print("{:<10} {:>12} {:>12} {:>9} {:>10} {:>14}  {}\n", "mode", "untraced ms", "traced ms", "overhead",
+               "spans/step", "CPU per step", "per round (traced/untraced)");
   }
   for (const std::string& mode : SplitList(modes)) {
     if (!worker::ParseTrainingMode(mode).ok()) {
       fmt::print(stderr, "tandem bench train: --modes: '{}' is not one of hybrid, allreduce, ps\n", mode);
       return 2;
     }
-    std::vector<double> off, on, ratios;
+    std::vector<double> off, on, ratios, spans;
     for (int64_t r = 0; r < rounds && !shutdown.requested(); ++r) {
       // ABBA: every other round the traced run goes first, so that neither
       // side always follows the other.
@@ -75,7 +134,10 @@ int TraceOverhead(const ClusterOptions& o, const std::string& modes, int64_t rou
           run.trace.dir = dir;
         }
         auto summary = RunLocalTraining(run, shutdown);
-        if (!dir.empty()) std::filesystem::remove_all(dir);
+        if (!dir.empty()) {
+          spans.push_back(SpansPerStep(dir, o.train.steps));
+          std::filesystem::remove_all(dir);
+        }
         if (!summary.ok() || !summary->completed) {
           fmt::print(stderr, "tandem bench train: {} mode{}: {}\n", mode, traced ? " (traced)" : "",
                      summary.ok() ? summary->failure : summary.status().ToString());
@@ -87,16 +149,20 @@ int TraceOverhead(const ClusterOptions& o, const std::string& modes, int64_t rou
     }
     if (ratios.empty()) break;
     const double overhead = Median(ratios) - 1;
+    const double spans_per_step = Median(spans);
+    const double cpu_share = spans_per_step * *per_span * 1e-6 / Median(off);
     std::string each;
     for (double x : ratios) each += fmt::format("{}{:.3f}", each.empty() ? "" : " ", x);
     if (json) {
       fmt::print(
           "{{\"mode\":{},\"rounds\":{},\"untraced_step_ms\":{},\"traced_step_ms\":{},\"trace_overhead\":{},"
-          "\"ratios\":[{}]}}\n",
+          "\"ratios\":[{}],\"spans_per_step\":{},\"recorder_ns_per_span\":{},\"cpu_share_of_step\":{}}}\n",
           JsonQuote(mode), ratios.size(), JsonNumber(Median(off), 5), JsonNumber(Median(on), 5),
-          JsonNumber(overhead, 4), fmt::join(ratios, ","));
+          JsonNumber(overhead, 4), fmt::join(ratios, ","), JsonNumber(spans_per_step, 4), JsonNumber(*per_span, 4),
+          JsonNumber(cpu_share, 4));
     } else {
-      fmt::print("{:<10} {:>14.1f} {:>14.1f} {:>+9.1f}% {:>22}\n", mode, Median(off), Median(on), overhead * 100, each);
+      fmt::print("{:<10} {:>12.1f} {:>12.1f} {:>+8.1f}% {:>10.0f} {:>13.4f}%  {}\n", mode, Median(off), Median(on),
+                 overhead * 100, spans_per_step, cpu_share * 100, each);
     }
   }
   return 0;

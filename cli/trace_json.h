@@ -28,11 +28,14 @@ struct JValue {
   double d = 0;
   std::string s;
   std::vector<JValue> array;
-  std::vector<std::pair<std::string, JValue>> object;
+  // An object's members, in order: keys[i] is values[i]'s name. (Two
+  // vectors: a pair holding the type being defined is not allowed.)
+  std::vector<std::string> keys;
+  std::vector<JValue> values;
 
   const JValue* Find(std::string_view key) const {
-    for (const auto& [k, v] : object) {
-      if (k == key) return &v;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      if (keys[k] == key) return &values[k];
     }
     return nullptr;
   }
@@ -88,7 +91,8 @@ class JsonReader {
         if (!Eat(':')) return Error("expected ':'");
         JValue item;
         TANDEM_RETURN_IF_ERROR(Value(item, depth + 1));
-        v.object.emplace_back(std::move(key.s), std::move(item));
+        v.keys.push_back(std::move(key.s));
+        v.values.push_back(std::move(item));
       } while (Eat(','));
       if (!Eat('}')) return Error("expected ',' or '}'");
       return Status::Ok();

@@ -82,7 +82,9 @@ Result<ProcessTrace> ReadTrace(const std::filesystem::path& path, std::vector<st
       return InvalidArgument("{}:1: a Tandem trace file begins with its process line (\"type\":\"process\")", p.file);
     }
     if (type == "process") {
-      for (auto& [k, item] : v.object) {
+      for (size_t i = 0; i < v.keys.size(); ++i) {
+        const std::string& k = v.keys[i];
+        const JValue& item = v.values[i];
         if (k == "rank" && p.rank < 0 && item.type == JValue::kNumber) p.rank = item.i;
         if (k != "type") p.info[k] = item;
       }
@@ -130,7 +132,9 @@ Result<ProcessTrace> ReadTrace(const std::filesystem::path& path, std::vector<st
 std::string ArgsJson(const Event& e) {
   std::string out = fmt::format("{{\"step\":{}", e.step);
   if (const JValue* args = e.json.Find("args"); args != nullptr && args->type == JValue::kObject) {
-    for (const auto& [k, v] : args->object) {
+    for (size_t i = 0; i < args->keys.size(); ++i) {
+      const std::string& k = args->keys[i];
+      const JValue& v = args->values[i];
       if (v.type == JValue::kNumber) {
         out += fmt::format(",{}:{}", JsonQuote(k), v.integral ? fmt::format("{}", v.i) : fmt::format("{}", v.d));
       } else if (v.type == JValue::kString) {

@@ -108,7 +108,9 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
   EXPECT_EQ(roles["server-"], 2);
   EXPECT_EQ(roles["worker-"], 4);
   for (const auto& [pid, name] : process) {
-    if (name.starts_with("worker-")) EXPECT_NE(name.find("(rank "), std::string::npos) << name;
+    if (name.starts_with("worker-")) {
+      EXPECT_NE(name.find("(rank "), std::string::npos) << name;
+    }
   }
   // Per worker: the training and communication threads, with the steps asked
   // for and their spans.
@@ -196,7 +198,9 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
     }
     const Slice* before = nullptr;
     for (const auto& [n, s] : step) {
-      if (before != nullptr) EXPECT_LE(before->end, s->begin) << process[key.first] << " step " << n;
+      if (before != nullptr) {
+        EXPECT_LE(before->end, s->begin) << process[key.first] << " step " << n;
+      }
       before = s;
     }
     for (const Slice& s : list) {

@@ -147,7 +147,9 @@ TEST(TraceTest, RecordsSpansOfTheStepRangeWithThreadsTracksAndProcessInfo) {
         EXPECT_LE(l.Int("step"), 3);
         EXPECT_EQ(l.Find("args")->Int("rank"), 3);
       }
-      if (l.Str("name") == "forward") EXPECT_EQ(l.Find("args")->Str("group"), "node/0");
+      if (l.Str("name") == "forward") {
+        EXPECT_EQ(l.Find("args")->Str("group"), "node/0");
+      }
       if (l.Str("name") == "aggregation") {
         EXPECT_EQ(l.Int("tid"), -1);
         EXPECT_EQ(l.Int("dur"), 100);
@@ -355,8 +357,12 @@ TEST(TraceMergeTest, AlignsSkewedClocksAndLinksPushesToUpdates) {
   ASSERT_EQ(report->processes.size(), 3u);
   for (const auto& p : report->processes) {
     EXPECT_TRUE(p.aligned) << p.file;
-    if (p.role == "worker") EXPECT_NEAR(static_cast<double>(p.offset_ns), -worker_skew, 1000);
-    if (p.role == "server") EXPECT_NEAR(static_cast<double>(p.offset_ns), -server_skew, 1000);
+    if (p.role == "worker") {
+      EXPECT_NEAR(static_cast<double>(p.offset_ns), -worker_skew, 1000);
+    }
+    if (p.role == "server") {
+      EXPECT_NEAR(static_cast<double>(p.offset_ns), -server_skew, 1000);
+    }
   }
   EXPECT_EQ(report->pushes, 1u);
   EXPECT_EQ(report->pushes_linked, 1u);
