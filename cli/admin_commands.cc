@@ -1,6 +1,7 @@
 // tandem status | drain | scale: the coordinator's admin API from a terminal.
 #include <algorithm>
 
+#include <google/protobuf/util/json_util.h>
 #include <google/protobuf/util/time_util.h>
 
 #include "cli/commands.h"
@@ -140,6 +141,24 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
       out += fmt::format("  server {}: primary for {}, backup for {}\n", server, counts.first, counts.second);
     }
   }
+  // The straggler score: workers the job waited for noticeably, and who is named.
+  std::string stragglers;
+  uint32_t window = 0;
+  for (const auto& m : members) {
+    if (!m.has_straggler() || !m.has_rank()) continue;
+    const auto& st = m.straggler();
+    window = std::max(window, st.window_steps());
+    if (st.score() < 0.01 && !st.named()) continue;
+    stragglers += fmt::format(
+        "  rank {} on node {} (member {}): score {:.2f}, last in {} of {} steps by {:.1f} ms on average{}\n",
+        m.rank().global_rank(), m.node().node_id(), m.member_id(), st.score(), st.late_steps(), st.window_steps(),
+        st.mean_late_seconds() * 1e3, st.named() ? fmt::format(": a straggler since step {}", st.named_at_step()) : "");
+  }
+  if (window > 0) {
+    out += fmt::format("\nstragglers (the share of step time the job waited for each worker, last {} steps): {}\n",
+                       window, stragglers.empty() ? "none" : "");
+    out += stragglers;
+  }
   for (const auto& c : s.stalled_collectives()) {
     std::string ranks;
     for (uint32_t r : c.waiting_for_ranks()) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
@@ -151,13 +170,25 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
 
 int StatusCommand(int argc, char** argv) {
   AdminFlags f;
+  bool json = false;
   OptionSet options("tandem status",
-                    "show a job's epoch, members (name, pid, role, rank, node, step, health) and shard map");
+                    "show a job's epoch, members (name, pid, role, rank, node, step, health, straggler score) and "
+                    "shard map");
+  options.Bool("json", &json, "print the coordinator's answer (tandem.v1.GetStatusResponse) as JSON");
   DeclareAdminFlags(options, &f);
   if (int rc = ParseOrExit(options, argc, argv); rc >= 0) return rc;
   v1::GetStatusResponse response;
   if (int rc = Call("status", f, v1::GetStatusRequest(), &response, &v1::CoordinatorAdmin::Stub::GetStatus); rc >= 0) {
     return rc;
+  }
+  if (json) {
+    std::string text;
+    google::protobuf::util::JsonPrintOptions print;
+    print.add_whitespace = true;
+    print.preserve_proto_field_names = true;
+    (void)google::protobuf::util::MessageToJsonString(response, &text, print);
+    fmt::print("{}", text);
+    return 0;
   }
   fmt::print("{}", FormatStatus(response));
   return 0;

@@ -303,6 +303,7 @@ void MemberSession::HeartbeatLoop() {
       request.set_token(options_.token);
       request.set_step(step_);
       if (options_.replicated_epoch) request.set_replicated_epoch(options_.replicated_epoch());
+      for (auto& w : step_waits_.Take()) *request.add_step_waits() = std::move(w);
       if (options_.collective_progress) {
         constexpr size_t kMaxCollectives = 64;  // HeartbeatRequest.collectives
         for (auto& c : options_.collective_progress()) {
@@ -320,6 +321,7 @@ void MemberSession::HeartbeatLoop() {
         }
         if (response.command() == v1::MEMBER_COMMAND_DRAIN) {
           // Drained by an administrator: it is already out of the epochs; leave the job and stop.
+          drained_ = true;
           if (options_.on_drain) options_.on_drain();
           const Status left = Leave("drained", std::chrono::milliseconds(5000));
           spdlog::warn("drained: left the job ({}); this process stays up but takes no part until restarted",

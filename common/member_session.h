@@ -20,12 +20,14 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <grpcpp/grpcpp.h>
 
 #include "common/mutex.h"
 #include "common/status.h"
+#include "common/step_waits.h"
 #include "common/thread_annotations.h"
 #include "tandem/v1/coordinator.grpc.pb.h"
 
@@ -92,6 +94,9 @@ class MemberSession {
 
   // The training step to report in heartbeats.
   void SetStep(uint64_t step) { step_ = step; }
+  // Who held up a step, for the next heartbeat (HeartbeatRequest.step_waits:
+  // the coordinator's straggler score); the oldest go beyond 64 unsent.
+  void ReportStepWait(v1::StepWait wait) { step_waits_.Add(std::move(wait)); }
 
   bool connected() const { return connected_; }
   uint64_t member_id() const;
@@ -107,6 +112,9 @@ class MemberSession {
   // True once a newer incarnation of member_name has replaced this member
   // (MemberSessionOptions::on_fenced); the session has stopped.
   bool fenced() const { return fenced_; }
+  // True once the coordinator drained this member (MEMBER_COMMAND_DRAIN: an
+  // administrator's `tandem drain`, or a straggler drained); it left the job.
+  bool drained() const { return drained_; }
   // Waits until the member is part of an active epoch; false on timeout.
   bool WaitActive(std::chrono::milliseconds timeout);
 
@@ -142,8 +150,10 @@ class MemberSession {
   grpc::ClientContext* watch_context_ TANDEM_GUARDED_BY(mu_) = nullptr;  // the open stream, to cancel it
   std::atomic<bool> connected_{false};
   std::atomic<uint64_t> step_{0};
+  StepWaitLog step_waits_;
   std::atomic<uint64_t> reattachments_{0};
   std::atomic<bool> fenced_{false};
+  std::atomic<bool> drained_{false};
   std::thread session_thread_;
   std::thread heartbeat_thread_;
 };

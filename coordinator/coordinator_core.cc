@@ -889,6 +889,9 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
   if (static_cast<size_t>(request.collectives_size()) > kMaxCollectives) {
     return InvalidArgument("collectives: {} given, at most {} accepted", request.collectives_size(), kMaxCollectives);
   }
+  if (request.step_waits_size() > 64) {
+    return InvalidArgument("step_waits: {} given, at most 64 accepted", request.step_waits_size());
+  }
   MutexLock lock(&mu_);
   TANDEM_ASSIGN_OR_RETURN(Job * job, FindJob(request.job_id()));
   TANDEM_ASSIGN_OR_RETURN(Member * member, FindMember(*job, request.member_id(), request.session_id()));
@@ -912,6 +915,7 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
   } else {
     job->step = std::max(job->step, request.step());
   }
+  if (request.step_waits_size() > 0) NoteStepWaits(*job, *member, request.step_waits());
   v1::HeartbeatResponse response;
   const bool durable = store_->durable_sequence() >= job->latest_sequence;
   response.set_latest_epoch(durable ? job->latest.epoch() : member->epoch_seen);

@@ -38,6 +38,7 @@
 #include "common/status.h"
 #include "common/thread_annotations.h"
 #include "coordinator/store.h"
+#include "coordinator/stragglers.h"
 #include "tandem/internal/coordinator_state.pb.h"
 #include "tandem/v1/coordinator.pb.h"
 
@@ -68,6 +69,11 @@ struct CoreOptions {
   // Write a snapshot (and drop the log before it) after this many records
   // (checked by Tick).
   uint64_t snapshot_every_records = 50000;
+  // The straggler score's window and thresholds (coordinator/stragglers.h).
+  StragglerOptions stragglers;
+  // Drain a worker that stays named a straggler for a whole window more,
+  // when the job has more workers than its minimum. Off by default.
+  bool drain_stragglers = false;
 };
 
 // The built-in defaults of a job spec (heartbeat 1 s, deadline 3 s, …).
@@ -92,6 +98,16 @@ struct CoreStats {
   // Every (job, kind, node) of a member the coordinator knows is present,
   // with 0 until one of them dies.
   std::map<std::tuple<std::string, std::string, std::string>, uint64_t> failures_by_node;
+  // Every ranked worker's straggler score (tandem_coordinator_straggler_*).
+  struct Straggler {
+    std::string job_id;
+    std::string node_id;
+    uint32_t rank = 0;
+    double score = 0;
+    bool named = false;
+  };
+  std::vector<Straggler> stragglers;
+  uint64_t stragglers_drained = 0;
   // Durations observed since the last call (seconds), drained by TakeStats.
   std::vector<double> rendezvous_seconds;        // first registration to epoch 1 active
   std::vector<double> failure_to_epoch_seconds;  // failure detected to the next epoch active
@@ -189,6 +205,11 @@ class CoordinatorCore {
     std::optional<Clock::TimePoint> rendezvous_started;
     std::optional<Clock::TimePoint> failure_detected;
     std::string waiting_reason;  // why no epoch can form, for status
+    // The workers' straggler score, from heartbeats' step_waits (not
+    // durable: a restarted coordinator starts an empty window).
+    StragglerTracker stragglers;
+    bool stragglers_configured = false;  // with CoreOptions::stragglers
+    Clock::TimePoint stragglers_evaluated{};
   };
 
   // Appends a record and applies it. REQUIRES: mu_ held.
@@ -251,6 +272,14 @@ class CoordinatorCore {
                         v1::MemberStatus* status) const TANDEM_REQUIRES(mu_);
   void AddStalledCollectives(const Job& job, const std::map<uint64_t, v1::RankAssignment>& ranks,
                              v1::GetStatusResponse& response) const TANDEM_REQUIRES(mu_);
+  // The straggler score (coordinator_stragglers.cc): a member's step_waits
+  // from its heartbeat go into the job's tracker, which is evaluated at most
+  // every 100 ms; workers named or cleared are logged, and drained when
+  // options_.drain_stragglers says so.
+  void NoteStepWaits(Job& job, const Member& member, const google::protobuf::RepeatedPtrField<v1::StepWait>& waits)
+      TANDEM_REQUIRES(mu_);
+  // Who a member is in the job's latest epoch (rank, node, name), for the tracker.
+  std::optional<StragglerIdentity> StragglerWho(const Job& job, uint64_t member_id) const TANDEM_REQUIRES(mu_);
   // Calls the listener if something changed, with mu_ released meanwhile
   // (and held again on return: guarded state may have changed).
   void FlushNotify() TANDEM_REQUIRES(mu_);

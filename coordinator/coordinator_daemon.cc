@@ -35,6 +35,7 @@ struct CoordinatorConfig {
   std::chrono::milliseconds host_holdout_base{5000};
   std::chrono::milliseconds host_holdout_max{300000};
   std::chrono::milliseconds tick{20};
+  bool drain_stragglers = false;
 };
 
 struct State {
@@ -97,6 +98,9 @@ DaemonSpec MakeDaemonSpec() {
                std::chrono::milliseconds(86400000));
     o.Duration("tick", &c.tick, "how often timers (deadlines, windows) are checked", std::chrono::milliseconds(1),
                std::chrono::milliseconds(1000));
+    o.Bool("drain_stragglers", &c.drain_stragglers,
+           "drain a worker that stays named a straggler for 20 steps more, while its job has more workers than "
+           "job.min_workers (one at a time); off: stragglers are named (log, tandem status, metrics), not acted on");
     o.String("job.id", &c.job_id, "the job to create at start-up (members name it); empty: none");
     o.Int("job.min_workers", &c.min_workers, "workers needed before the first epoch forms", 1, 65536);
     o.Int("job.max_workers", &c.max_workers, "most workers in an epoch (more wait on standby)", 1, 65536);
@@ -147,6 +151,7 @@ DaemonSpec MakeDaemonSpec() {
     options.host_failures_before_holdout = static_cast<uint32_t>(c.host_failures_before_holdout);
     options.host_backoff_base = c.host_holdout_base;
     options.host_backoff_max = c.host_holdout_max;
+    options.drain_stragglers = c.drain_stragglers;
     if (c.data_dir.empty()) {
       spdlog::warn("no --data-dir: the coordinator's state lives in memory and does not survive a restart");
       state->store = std::make_unique<MemoryStore>();

@@ -134,7 +134,21 @@ CoordinatorService::CoordinatorService(CoordinatorCore* core, Store* store, prom
                                     .Name("tandem_coordinator_failure_to_epoch_seconds")
                                     .Help("From a failure being detected to the next epoch being active.")
                                     .Register(registry)
-                                    .Add({}, SecondsBuckets())) {
+                                    .Add({}, SecondsBuckets())),
+      straggler_score_(prometheus::BuildGauge()
+                           .Name("tandem_coordinator_straggler_score")
+                           .Help("Share of the job's step time spent waiting for this worker over the last steps "
+                                 "(0 to 1), by job, node and rank.")
+                           .Register(registry)),
+      straggler_named_(prometheus::BuildGauge()
+                           .Name("tandem_coordinator_straggler")
+                           .Help("1 while the coordinator names this worker a straggler, else 0.")
+                           .Register(registry)),
+      stragglers_drained_(prometheus::BuildCounter()
+                              .Name("tandem_coordinator_stragglers_drained_total")
+                              .Help("Workers the coordinator drained as persistent stragglers.")
+                              .Register(registry)
+                              .Add({})) {
   core_->SetChangeListener([this](bool epochs) {
     if (epochs) {
       WakeWatchers();
@@ -283,6 +297,29 @@ void CoordinatorService::UpdateMetrics() {
   {
     MutexLock lock(&mu_);
     watch_streams_.Set(static_cast<double>(watchers_.size()));
+  }
+  stragglers_drained_.Increment(static_cast<double>(stats.stragglers_drained - last_stats_.stragglers_drained));
+  auto stale = std::move(straggler_series_);
+  straggler_series_.clear();
+  for (const auto& s : stats.stragglers) {
+    const auto key = std::make_tuple(s.job_id, s.node_id, s.rank);
+    auto it = stale.find(key);
+    std::pair<prometheus::Gauge*, prometheus::Gauge*> series;
+    if (it != stale.end()) {
+      series = it->second;
+      stale.erase(it);
+    } else {
+      const std::map<std::string, std::string> labels = {
+          {"job_id", s.job_id}, {"node_id", s.node_id}, {"rank", std::to_string(s.rank)}};
+      series = {&straggler_score_.Add(labels), &straggler_named_.Add(labels)};
+    }
+    series.first->Set(s.score);
+    series.second->Set(s.named ? 1 : 0);
+    straggler_series_[key] = series;
+  }
+  for (const auto& [key, series] : stale) {
+    straggler_score_.Remove(series.first);
+    straggler_named_.Remove(series.second);
   }
   last_stats_ = std::move(stats);
 }

@@ -12,9 +12,13 @@
 #pragma once
 
 #include <atomic>
+#include <map>
 #include <memory>
 #include <set>
+#include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <prometheus/counter.h>
@@ -117,6 +121,13 @@ class CoordinatorService final : public v1::Coordinator::CallbackService, public
   prometheus::Counter& records_;
   prometheus::Histogram& rendezvous_seconds_;
   prometheus::Histogram& failure_to_epoch_seconds_;
+  // The workers' straggler scores and who is named, by job_id, node_id and
+  // rank; series of ranks that are gone are removed.
+  prometheus::Family<prometheus::Gauge>& straggler_score_;
+  prometheus::Family<prometheus::Gauge>& straggler_named_;
+  prometheus::Counter& stragglers_drained_;
+  std::map<std::tuple<std::string, std::string, uint32_t>, std::pair<prometheus::Gauge*, prometheus::Gauge*>>
+      straggler_series_;
   CoreStats last_stats_;
 };
 

@@ -92,9 +92,23 @@ void CoordinatorCore::FillMemberStatus(const Job& job, uint64_t id, const Member
     if (h->second.held_out_until_unix_ms() > 0)
       *s->mutable_held_out_until() = Timestamp(h->second.held_out_until_unix_ms());
   }
+  // The straggler score of a worker of the latest epoch (0 when the window
+  // never charged it a step).
+  std::optional<v1::StragglerStatus> straggler;
+  if (m.record.role() == v1::ROLE_WORKER && InLatest(job, id) && job.stragglers.window_steps() > 0) {
+    straggler = job.stragglers.Status(id);
+    if (!straggler) {
+      straggler.emplace();
+      straggler->set_window_steps(job.stragglers.window_steps());
+    }
+    *s->mutable_straggler() = *straggler;
+  }
   if (age > 2 * ToMs(job.spec.heartbeat_interval())) {
     s->set_health(v1::MEMBER_HEALTH_LATE);
-  } else if (m.record.role() == v1::ROLE_WORKER && job.step > m.last_step + 2 && Alive(m)) {
+  } else if (m.record.role() == v1::ROLE_WORKER && Alive(m) &&
+             ((straggler && straggler->named()) || job.step > m.last_step + 2)) {
+    // Named by the score, or stopped: more than 2 steps behind the job,
+    // which a synchronous job cannot be while the worker takes part.
     s->set_health(v1::MEMBER_HEALTH_STRAGGLER);
   } else {
     s->set_health(v1::MEMBER_HEALTH_HEALTHY);
@@ -149,6 +163,14 @@ CoreStats CoordinatorCore::TakeStats() {
     for (const auto& [mid, m] : job.members) {
       ++out.members[{RoleName(m.record.role()), StateName(m.record.state())}];
       out.failures_by_node.try_emplace({id, RoleName(m.record.role()), HostKey(m.record.node())}, 0);
+    }
+    if (job.stragglers.window_steps() == 0) continue;
+    for (const auto& p : job.latest.peers()) {
+      if (p.role() != v1::ROLE_WORKER || !p.has_rank()) continue;
+      auto m = job.members.find(p.member_id());
+      const auto st = job.stragglers.Status(p.member_id());
+      out.stragglers.push_back({id, m == job.members.end() ? "" : m->second.record.node().node_id(),
+                                p.rank().global_rank(), st ? st->score() : 0.0, st && st->named()});
     }
   }
   return out;

@@ -266,6 +266,7 @@ void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy
     // (The first contribution overwrites it, or becomes it.)
     if (!part.acc || part.acc.use_count() > 1 || part.acc->size() != n) part.acc = Buffer(n);
     part.first_push = std::chrono::steady_clock::now();
+    part.last_pusher = 0;
   }
   if (h.contributors != part.contributors) {
     return refuse(InvalidArgument("contributors: this push says {}, earlier pushes of the step said {}", h.contributors,
@@ -298,6 +299,10 @@ void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy
     }
   }
   part.seen[h.contributor] = true;
+  const auto arrived = std::chrono::steady_clock::now();
+  part.previous_push = part.last_pusher == 0 ? arrived : part.last_push;
+  part.last_push = arrived;
+  part.last_pusher = from;
   if (h.contributor == part.folded) {
     FoldLocked(part, h.dtype, payload, buffer);
   } else {
@@ -631,6 +636,10 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
         step);
   }
   std::vector<std::shared_ptr<Part>> parts;
+  // Who held the step up here: the member that pushed last to the most
+  // partitions (a hiccup on one partition does not outvote the others), by
+  // the mean of how long after the push before it its pushes came.
+  std::map<uint64_t, std::pair<uint32_t, double>> last;  // member -> partitions, seconds
   for (auto& [id, part] : parts_) {
     MutexLock plock(&part->mu);
     if (part->role == v1::REPLICA_ROLE_PRIMARY && part->agg_epoch == epoch && part->agg_step == step && part->ready &&
@@ -638,7 +647,23 @@ void ParameterStore::Decide(uint64_t epoch, uint64_t step, const Round& round, A
       parts.push_back(part);
       counters_.aggregation_seconds.fetch_add(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - part->first_push).count());
+      if (part->contributors > 1 && part->last_pusher != 0) {
+        auto& [count, seconds] = last[part->last_pusher];
+        ++count;
+        seconds += std::chrono::duration<double>(part->last_push - part->previous_push).count();
+      }
     }
+  }
+  if (!last.empty() && step_wait_sink_) {
+    const auto most = std::max_element(last.begin(), last.end(), [](const auto& a, const auto& b) {
+      return a.second.first != b.second.first ? a.second.first < b.second.first : a.second.second < b.second.second;
+    });
+    v1::StepWait wait;
+    wait.set_step(step);
+    wait.set_late_member_id(most->first);
+    wait.set_late_seconds(most->second.second / most->second.first);
+    wait.set_scope("server");
+    step_wait_sink_(std::move(wait));
   }
   const double grad_scale = coef / divisor;
   auto apply = [this, parts = std::move(parts), epoch, step, skip, coef, grad_scale]() mutable {

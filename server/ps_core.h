@@ -285,6 +285,14 @@ class ParameterStore {
   // backups only once it is the latest epoch everywhere. Reads an atomic.
   uint64_t ReplicatedEpoch() const { return replicated_epoch_.load(std::memory_order_acquire); }
 
+  // Where a synchronous step's decision reports who held it up: of this
+  // server's primary partitions of the step, the member that pushed last to
+  // the most of them, and the mean of how long after the push before it its
+  // last pushes came (v1::StepWait, scope "server"; partitions with a
+  // single contributor say nothing). Called under the store's lock: it must not call back into
+  // the store. Set it before the first push.
+  void SetStepWaitSink(std::function<void(v1::StepWait)> sink) { step_wait_sink_ = std::move(sink); }
+
   // The fingerprint of a tensor table (FNV-1a over names, shapes, dtypes and
   // groups), as checkpoints record it.
   static uint64_t Fingerprint(const google::protobuf::RepeatedPtrField<v1::TensorSpec>& tensors);
@@ -364,6 +372,11 @@ class ParameterStore {
     // Complete, acknowledged, and waiting for its scan (ScanStep).
     bool scan_pending TANDEM_GUARDED_BY(mu) = false;
     std::chrono::steady_clock::time_point first_push TANDEM_GUARDED_BY(mu);
+    // Who held the aggregation up (Decide reports it: StepWait): the member
+    // whose push came last, when it came, and when the one before it came.
+    uint64_t last_pusher TANDEM_GUARDED_BY(mu) = 0;
+    std::chrono::steady_clock::time_point last_push TANDEM_GUARDED_BY(mu);
+    std::chrono::steady_clock::time_point previous_push TANDEM_GUARDED_BY(mu);
     // The decided step's share (kept to share again when a step is retried).
     ps::ShareEntry last_share TANDEM_GUARDED_BY(mu);
     // The decision of the last step applied here (as primary, by a replica
@@ -514,6 +527,7 @@ class ParameterStore {
   const std::shared_ptr<Spares> spares_ = std::make_shared<Spares>();
   std::unique_ptr<optim::ThreadPool> pool_;
   StoreCounters counters_;
+  std::function<void(v1::StepWait)> step_wait_sink_;  // SetStepWaitSink
   // Partitions whose scan_pending is set.
   std::atomic<int> scans_pending_{0};
   // ReplicatedEpoch: the epoch SetEpoch last adopted, and how many of its

@@ -344,6 +344,10 @@ PsNode::PsNode(const ServerConfig& config, Daemon& daemon) : config_(config), me
   store_options.threads = static_cast<int>(config.threads);
   store_options.offload = [this](std::function<void()> work) { loop_.Offload(std::move(work)); };
   store_ = std::make_unique<ParameterStore>(std::move(store_options), this);
+  store_->SetStepWaitSink([this](v1::StepWait wait) {
+    MutexLock lock(&session_mu_);
+    if (session_ != nullptr) session_->ReportStepWait(std::move(wait));
+  });
   service_ = std::make_unique<Service>(this);
   auto& r = daemon.registry();
   auto counter = [&r](const char* name, const char* help) {
@@ -462,6 +466,10 @@ std::shared_ptr<PsNode::Group> PsNode::Current() const {
 
 void PsNode::Stop() {
   if (stopping_.exchange(true)) return;
+  {
+    MutexLock lock(&session_mu_);
+    session_ = nullptr;
+  }
   store_->StopCaptures();  // a synchronous SaveCheckpoint waiting for its step returns now
   {
     MutexLock lock(&building_mu_);
@@ -495,6 +503,10 @@ Status PsNode::OnEpoch(const v1::MembershipEpoch& epoch, MemberSession& session)
   if (store_->epoch() == epoch.epoch() && epoch.shard_map().partitions_size() == 0) return Status::Ok();
   const uint64_t self = session.member_id();
   service_->SetToken(session.options().token);
+  {
+    MutexLock lock(&session_mu_);
+    session_ = &session;
+  }
   // The store first: whatever was waiting in the old epoch fails now.
   const bool adopted = loop_.Run([&] {
     store_->SetEpoch(epoch.epoch(), self, epoch.shard_map(), std::max<uint32_t>(1, epoch.mesh().dp()),

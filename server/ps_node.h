@@ -119,6 +119,10 @@ class PsNode final : public ServerLinks {
   std::thread metrics_thread_;
   Mutex metrics_mu_;
   CondVar metrics_cv_;
+  // The member session, for the store's StepWait reports (its heartbeats
+  // carry them); null until the first epoch and once stopping.
+  Mutex session_mu_;
+  MemberSession* session_ TANDEM_GUARDED_BY(session_mu_) = nullptr;
 };
 
 }  // namespace tandem::server

@@ -19,9 +19,11 @@ inline constexpr char kTestNetDevices[] = "lo";
 
 // Starts build/bin/BINARY as NAME on loopback port 0 with `args` (a server's
 // or worker's UCX devices set to kTestNetDevices unless `args` names them),
-// logs and ready file in `dir`, and waits until it serves.
+// logs and ready file in `dir`, and waits until it serves. `prefix` goes
+// before the binary (/usr/bin/env and a variable: a failpoint).
 inline Result<cli::LaunchedDaemon> StartDaemon(const std::string& binary, const std::string& name,
-                                               const std::string& dir, std::vector<std::string> args = {}) {
+                                               const std::string& dir, std::vector<std::string> args = {},
+                                               std::vector<std::string> prefix = {}) {
   const std::string devices_flag = binary == "tandem-server"   ? "--server-ucx-net-devices"
                                    : binary == "tandem-worker" ? "--data-plane-ucx-net-devices"
                                                                : "";
@@ -33,6 +35,7 @@ inline Result<cli::LaunchedDaemon> StartDaemon(const std::string& binary, const 
   spec.name = name;
   spec.args = std::move(args);
   spec.work_dir = dir;
+  spec.exec_prefix = std::move(prefix);
   return cli::Launch(spec);
 }
 

@@ -372,6 +372,16 @@ void DataPlane::ReportStep(uint64_t step) {
   if (session_ != nullptr) session_->SetStep(step);
 }
 
+bool DataPlane::drained() const {
+  MutexLock lock(&view_mu_);
+  return session_ != nullptr && session_->drained();
+}
+
+void DataPlane::ReportStepWait(v1::StepWait wait) {
+  MutexLock lock(&view_mu_);
+  if (session_ != nullptr) session_->ReportStepWait(std::move(wait));
+}
+
 Status DataPlane::SelfCheck() {
   auto world = manager_->Get("world");
   if (!world) return Status::Ok();

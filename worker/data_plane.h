@@ -91,6 +91,11 @@ class DataPlane {
   // The last training step this worker completed, for its heartbeats (the
   // coordinator keeps the job's step and starts new epochs from it).
   void ReportStep(uint64_t step);
+  // Who held up a completed step, for the next heartbeat (the coordinator's
+  // straggler score).
+  void ReportStepWait(v1::StepWait wait);
+  // True once the coordinator drained this worker (MemberSession::drained).
+  bool drained() const;
   // The coordinator's values of the built epoch `epoch` (PutEpochValue and
   // GetEpochValues), for agreements that may wait longer than a
   // communicator's timeout; a Get returns ABORTED once the epoch is

@@ -98,7 +98,7 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
     if (training) {
       state->trainer = std::thread([state, loop, &daemon] {
         WorkerContext context{*state->data_plane, state->train, daemon.registry(),
-                              [state] { return state->stop.load(); }};
+                              [state] { return state->stop.load() || state->data_plane->drained(); }};
         Status s;
         if (loop) {
           s = loop(context);
@@ -114,6 +114,12 @@ DaemonSpec MakeDaemonSpec(TrainingLoop loop) {
           spdlog::info("training finished: the training loop returned");
         } else if (s.ok()) {
           spdlog::info("training finished; the worker stays in the job until it is stopped");
+        } else if (state->data_plane->drained()) {
+          // Not a failure: a supervisor must not restart it into the job.
+          spdlog::warn(
+              "training ended: the coordinator drained this worker ({}); it stays up, out of the job, until "
+              "it is stopped",
+              s.ToString());
         } else if (!state->stop) {
           spdlog::error("training failed: {}", s.ToString());
           daemon.RequestShutdown(s.WithContext("training"));

@@ -253,6 +253,7 @@ Status CommManager::SetEpoch(const v1::MembershipEpoch& epoch, Rendezvous& rende
     info.rank = mg.rank;
     info.size = static_cast<int>(mg.group.global_ranks.size());
     info.timeout = options_.timeout;
+    info.member_ids = mg.group.member_ids;
     auto comm = factory_(info, mg.group.global_ranks, rendezvous);
     if (!comm.ok()) {
       return fail(comm.status().WithContext(fmt::format("building communicator {} of epoch {} (rank {} of {})",

@@ -66,6 +66,11 @@ void Communicator::Abort(const std::string& reason) {
   OnAbort();
 }
 
+uint64_t Communicator::member_id(int rank) const {
+  if (rank < 0 || static_cast<size_t>(rank) >= info_.member_ids.size()) return 0;
+  return info_.member_ids[static_cast<size_t>(rank)];
+}
+
 Progress Communicator::progress() const {
   Progress p;
   p.communicator = info_.name;
@@ -82,7 +87,10 @@ Status Communicator::Begin(Kind kind, uint64_t* seq) {
     if (!broken_.ok()) return broken_;
   }
   last_kind_.store(static_cast<uint8_t>(kind));
-  if (seq != nullptr) *seq = entered_.fetch_add(1) + 1;  // point to point is not numbered
+  if (seq != nullptr) {
+    *seq = entered_.fetch_add(1) + 1;  // point to point is not numbered
+    last_wait_ = Wait{};
+  }
   return Status::Ok();
 }
 

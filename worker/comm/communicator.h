@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "common/mutex.h"
 #include "common/status.h"
@@ -68,6 +69,18 @@ struct CommInfo {
   int rank = 0;
   int size = 1;
   std::chrono::milliseconds timeout{30000};  // longest wait on a peer
+  // The members' ids in group-rank order (for reports naming a peer); empty
+  // when the builder does not know them.
+  std::vector<uint64_t> member_ids;
+};
+
+// Whom a collective waited for (straggler attribution): the group rank that
+// entered it last, and how much later than the next-to-last rank it
+// entered, in seconds. rank -1: not known (a group of one, a backend that
+// does not measure it, or a rank whose neighbours entered before it).
+struct Wait {
+  int rank = -1;
+  double seconds = 0;
 };
 
 // Progress, as heartbeats report it (v1::CollectiveProgress).
@@ -136,6 +149,21 @@ class Communicator {
   using Observer = std::function<void(Kind kind, uint64_t bytes, double seconds)>;
   void SetObserver(Observer observer) { observer_ = std::move(observer); }
 
+  // Whom the last numbered collective that succeeded waited for (see Wait).
+  // The shared-memory backend knows every rank's entry time (one clock) and
+  // names the rank that entered last, on every rank. The transport backend
+  // measures, without comparing clocks, how long this rank waited for each
+  // ring neighbour's agreement descriptor, which a neighbour sends as it
+  // enters: the two neighbours of a rank that entered late name that rank
+  // (the one that caused the delay, not a predecessor that merely passed it
+  // on, since nothing is chained yet at entry), and the other ranks, which
+  // wait for it later inside the algorithm, report no one (rank -1); whoever
+  // combines the group's reports (the coordinator) takes the largest. Read
+  // it on the thread that runs the collectives, after the call.
+  Wait last_wait() const { return last_wait_; }
+  // The member id of group rank `rank` (CommInfo::member_ids), 0 if unknown.
+  uint64_t member_id(int rank) const;
+
  protected:
   // The hooks a backend implements. Arguments are already checked (ranks in
   // range, non-null buffers when count > 0, op valid for dtype); `seq` is
@@ -161,6 +189,8 @@ class Communicator {
   // Cheap; poll it in wait loops.
   bool aborted() const { return aborted_.load(std::memory_order_acquire); }
   const CommInfo& info() const { return info_; }
+  // For backends: records whom the collective being run waited for.
+  void SetLastWait(Wait wait) { last_wait_ = wait; }
 
  private:
   // Fails with the first error once broken; numbers a collective (seq not
@@ -175,6 +205,7 @@ class Communicator {
   std::atomic<uint64_t> entered_{0};
   std::atomic<uint64_t> completed_{0};
   std::atomic<uint8_t> last_kind_{0};
+  Wait last_wait_;  // the collectives' thread's
   mutable Mutex mu_;
   Status broken_ TANDEM_GUARDED_BY(mu_);
 };

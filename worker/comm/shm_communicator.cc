@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <random>
 #include <thread>
 #include <vector>
@@ -29,10 +30,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr uint64_t kMagic = 0x54414e44454d5348ULL;  // "TANDEMSH"
-constexpr uint32_t kVersion = 1;
-constexpr uint64_t kSets = 2;          // staging slot sets (D)
-constexpr size_t kDescriptors = 8;     // descriptor ring per rank (> kSets)
-constexpr size_t kFailureBytes = 512;  // the first failure's message
+constexpr uint32_t kVersion = 2;                    // 2: Descriptor.entered_ns
+constexpr uint64_t kSets = 2;                       // staging slot sets (D)
+constexpr size_t kDescriptors = 8;                  // descriptor ring per rank (> kSets)
+constexpr size_t kFailureBytes = 512;               // the first failure's message
 constexpr uint32_t kFailureWriting = 1U << 31;
 
 enum class RankState : uint32_t { kEmpty = 0, kAlive = 1, kClosed = 2, kDead = 3 };
@@ -49,6 +50,7 @@ struct Descriptor {
   uint8_t op;
   uint8_t pad;
   int32_t root;
+  int64_t entered_ns;  // when the rank entered the collective (steady clock: one clock for the node)
 };
 
 struct alignas(64) RankControl {
@@ -575,6 +577,8 @@ Status ShmCommunicator::Enter(const Op& op) {
   d.dtype = static_cast<uint8_t>(op.dtype);
   d.op = static_cast<uint8_t>(op.op);
   d.root = op.root;
+  d.entered_ns =
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
   me->entered.value.store(op.seq, std::memory_order_release);
   return PeerFailure();
 }
@@ -596,6 +600,25 @@ Status ShmCommunicator::CheckDescriptors(const Op& op) {
     };
     return Fail(InvalidArgument("communicator \"{}\" (epoch {}): rank {} runs {}, but rank {} runs {}", name(), epoch(),
                                 j, describe(theirs), rank(), describe(mine)));
+  }
+  // Whom it waited for: the rank that entered last, and by how much after
+  // the next-to-last (every rank's entry time is in its descriptor).
+  if (size() > 1) {
+    const auto entered = [&](int j) { return segment_->control(j)->descriptors[op.seq % kDescriptors].entered_ns; };
+    int late = 0;
+    int64_t last = entered(0);
+    int64_t before = std::numeric_limits<int64_t>::min();
+    for (int j = 1; j < size(); ++j) {
+      const int64_t t = entered(j);
+      if (t > last) {
+        before = last;
+        last = t;
+        late = j;
+      } else if (t > before) {
+        before = t;
+      }
+    }
+    SetLastWait(Wait{late, static_cast<double>(last - before) * 1e-9});
   }
   return Status::Ok();
 }

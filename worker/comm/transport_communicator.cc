@@ -96,9 +96,18 @@ Status TransportCommunicator::CheckPeers(const Descriptor& mine) {
   for (int i = 0; i < count; ++i) {
     sends[i] = transport_->Send(peers[i], kDescriptorTag, &descriptor_out_, sizeof(Descriptor));
   }
+  // Whom this rank waited for (Communicator::last_wait): the neighbour whose
+  // descriptor came last, and how long after this rank's entry. A neighbour
+  // already there when the other one's came was not waited for.
+  const auto entered = std::chrono::steady_clock::now();
+  Wait wait;
   for (int i = 0; i < count; ++i) {
-    TANDEM_RETURN_IF_ERROR(
-        collectives::Wait(*recvs[i], r, peers[i], false, check_, "agreement check", -1, "entered this collective"));
+    const bool there = i > 0 && recvs[i]->Wait(milliseconds(0)).ok();
+    if (!there) {
+      TANDEM_RETURN_IF_ERROR(
+          collectives::Wait(*recvs[i], r, peers[i], false, check_, "agreement check", -1, "entered this collective"));
+      wait = Wait{peers[i], std::chrono::duration<double>(std::chrono::steady_clock::now() - entered).count()};
+    }
     const Descriptor& theirs = descriptor_in_[i];
     if (std::memcmp(&theirs, &mine, sizeof(Descriptor)) != 0) {
       return InvalidArgument("rank {} runs {}, but rank {} runs {}", peers[i], Describe(theirs), r, Describe(mine));
@@ -107,6 +116,7 @@ Status TransportCommunicator::CheckPeers(const Descriptor& mine) {
   for (int i = 0; i < count; ++i) {
     TANDEM_RETURN_IF_ERROR(collectives::Wait(*sends[i], r, peers[i], true, check_, "agreement check"));
   }
+  SetLastWait(wait);
   return Status::Ok();
 }
 

@@ -154,11 +154,13 @@ Status Runtime::AllReduceStep::RunBucket(Bucket& b) {
         rt_.dp_->AllReduce(b.wire_out.data(), b.wire_out.data(), count, comm::DType::kBFloat16, comm::ReduceOp::kSum);
     TraceCollective("allreduce", *rt_.dp_, rt_.step_, start, count * sizeof(uint16_t), reduced.ok());
     TANDEM_RETURN_IF_ERROR(reduced);
+    rt_.NoteWait(*rt_.dp_);
     optim::AccumulateWire(g, b.wire_out.data(), v1::WIRE_DTYPE_BF16, count, /*overwrite=*/true);
     return Status::Ok();
   }
   Status reduced = rt_.dp_->AllReduce(g, g, count, comm::DType::kFloat32, comm::ReduceOp::kSum);
   TraceCollective("allreduce", *rt_.dp_, rt_.step_, start, count * sizeof(float), reduced.ok());
+  if (reduced.ok()) rt_.NoteWait(*rt_.dp_);
   return reduced;
 }
 
@@ -187,6 +189,7 @@ Status Runtime::ServerStep::RunBucket(Bucket& b) {
         rt_.node_->ReduceScatter(staging_.data(), out, b.block, comm::DType::kFloat32, comm::ReduceOp::kSum);
     TraceCollective("reduce_scatter", *rt_.node_, rt_.step_, start, b.block * local * sizeof(float), reduced.ok());
     TANDEM_RETURN_IF_ERROR(reduced);
+    rt_.NoteWait(*rt_.node_);
     if (out != b.mine.data()) std::copy_n(out, b.share, b.mine.begin());
   }
   for (auto& o : b.owned) {

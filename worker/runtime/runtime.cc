@@ -297,6 +297,11 @@ Result<StepPlan> Runtime::BeginStep() {
   in_step_ = true;
   parameter_bytes_ = 0;
   step_ = completed_ + 1;
+  step_began_ = Clock::now();
+  {
+    MutexLock lock(&mu_);
+    waited_for_.clear();
+  }
   // grads_step_: the server modes' last bucket's landing clears it (EnqueueFinish).
   strategy_->BeginStep();
   next_bucket_ = 0;
@@ -435,10 +440,43 @@ Result<StepResult> Runtime::EndStep(double loss_share, uint64_t samples, uint64_
   result.samples = static_cast<uint64_t>(loss_out_[1]);
   result.tokens = static_cast<uint64_t>(loss_out_[2]);
   std::copy_n(loss_out_.begin() + 3, more.size(), more.begin());
+  ReportWait();
   completed_ = step_;
   step_span.done = true;
   plane_.ReportStep(completed_);
   return result;
+}
+
+void Runtime::ReportWait() {
+  const auto now = Clock::now();
+  v1::StepWait wait;
+  wait.set_step(step_);
+  // The step's wall time: since the previous step ended, or (after a gap: the
+  // first step, a resync) since this one began.
+  wait.set_step_seconds(Seconds(now - (last_end_step_ != 0 && last_end_step_ + 1 == step_ ? last_end_ : step_began_)));
+  last_end_ = now;
+  last_end_step_ = step_;
+  {
+    MutexLock lock(&mu_);
+    for (const auto& [member, seconds] : waited_for_) {
+      if (wait.late_member_id() == 0 || seconds > wait.late_seconds()) {
+        wait.set_late_member_id(member);
+        wait.set_late_seconds(seconds);
+      }
+    }
+    if (wait.late_member_id() != 0) wait.set_scope(waited_in_);
+    waited_for_.clear();
+  }
+  plane_.ReportStepWait(std::move(wait));
+}
+
+void Runtime::NoteWait(const comm::Communicator& comm) {
+  const comm::Wait wait = comm.last_wait();
+  const uint64_t member = comm.member_id(wait.rank);
+  if (member == 0) return;
+  MutexLock lock(&mu_);
+  waited_for_[member] += wait.seconds;
+  waited_in_ = comm.name();
 }
 
 Status Runtime::ReduceLoss() {

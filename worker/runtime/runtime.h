@@ -472,6 +472,14 @@ class Runtime {
   // Waits for the task of `ticket` (and those before it); the step's status.
   Status WaitFor(uint64_t ticket) TANDEM_EXCLUDES(mu_);
   void CommLoop() TANDEM_EXCLUDES(mu_);
+  // EndStep, once the step succeeded: whom the step's contribution
+  // collectives waited for most and the step's wall time, to the
+  // coordinator's straggler score (DataPlane::ReportStepWait).
+  void ReportWait() TANDEM_EXCLUDES(mu_);
+  // On the communication thread, right after a contribution collective of
+  // the step on `comm` (a bucket's reduce-scatter in its node, or its
+  // all-reduce in the dp group): whom it waited for (Communicator::last_wait).
+  void NoteWait(const comm::Communicator& comm) TANDEM_EXCLUDES(mu_);
 
   RuntimeOptions options_;
   DataPlane& plane_;
@@ -570,8 +578,17 @@ class Runtime {
   uint64_t failed_ticket_ TANDEM_GUARDED_BY(mu_) = 0;  // the task that set step_status_
   double comm_busy_ TANDEM_GUARDED_BY(mu_) = 0;
   bool quit_ TANDEM_GUARDED_BY(mu_) = false;
+  // NoteWait's, summed over the step: seconds by member id, and the group.
+  std::map<uint64_t, double> waited_for_ TANDEM_GUARDED_BY(mu_);
+  std::string waited_in_ TANDEM_GUARDED_BY(mu_);
   std::atomic<bool> stopped_{false};
   std::thread comm_thread_;
+  // For ReportWait: when the current step began, and when the last one
+  // ended and which it was (a step's wall time is the time since the
+  // previous one ended).
+  std::chrono::steady_clock::time_point step_began_{};
+  std::chrono::steady_clock::time_point last_end_{};
+  uint64_t last_end_step_ = 0;
 };
 
 }  // namespace tandem::worker

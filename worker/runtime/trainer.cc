@@ -1031,7 +1031,9 @@ Status Train(const TrainConfig& config, DataPlane& plane, const TrainerHooks& ho
                                 op == model::TpReduce::kMax ? comm::ReduceOp::kMax : comm::ReduceOp::kSum);
       });
     }
-    if (auto delay = FailpointNumber("train.step_delay_ms")) {  // a slow worker, for tests
+    // A slow worker, for tests: from step train.step_delay_from (default 1) on.
+    if (auto delay = FailpointNumber("train.step_delay_ms");
+        delay && plan->step >= FailpointNumber("train.step_delay_from").value_or(1)) {
       std::this_thread::sleep_for(std::chrono::milliseconds(*delay));
     }
     const auto t0 = Clock::now();
