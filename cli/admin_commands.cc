@@ -148,15 +148,16 @@ std::string FormatStatus(const v1::GetStatusResponse& s) {
     if (!m.has_straggler() || !m.has_rank()) continue;
     const auto& st = m.straggler();
     window = std::max(window, st.window_steps());
-    if (st.score() < 0.01 && !st.named()) continue;
+    if (st.score() < 0.02 && !st.named()) continue;
     stragglers += fmt::format(
-        "  rank {} on node {} (member {}): score {:.2f}, last in {} of {} steps by {:.1f} ms on average{}\n",
-        m.rank().global_rank(), m.node().node_id(), m.member_id(), st.score(), st.late_steps(), st.window_steps(),
-        st.mean_late_seconds() * 1e3, st.named() ? fmt::format(": a straggler since step {}", st.named_at_step()) : "");
+        "  rank {} on node {} (member {}): score {:.2f}, late in {} of {} steps{}{}\n", m.rank().global_rank(),
+        m.node().node_id(), m.member_id(), st.score(), st.late_steps(), st.window_steps(),
+        st.late_steps() > 0 ? fmt::format(" by {:.1f} ms on average", st.mean_late_seconds() * 1e3) : "",
+        st.named() ? fmt::format(": a straggler since step {}", st.named_at_step()) : "");
   }
   if (window > 0) {
-    out += fmt::format("\nstragglers (the share of step time the job waited for each worker, last {} steps): {}\n",
-                       window, stragglers.empty() ? "none" : "");
+    out += fmt::format("\nstragglers (the share of step time the job waited for each worker, last {} steps):{}\n",
+                       window, stragglers.empty() ? " none" : "");
     out += stragglers;
   }
   for (const auto& c : s.stalled_collectives()) {

@@ -902,6 +902,7 @@ Result<v1::HeartbeatResponse> CoordinatorCore::Heartbeat(const v1::HeartbeatRequ
   ++stats_.heartbeats;
   const auto now = clock_->Now();
   member->last_heartbeat = now;
+  if (request.step() != member->last_step) member->step_changed = now;
   member->last_step = request.step();
   member->epoch_seen = request.epoch();
   member->collectives.assign(request.collectives().begin(), request.collectives().end());

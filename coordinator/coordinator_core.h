@@ -182,6 +182,7 @@ class CoordinatorCore {
     bool stream_broken = false;
     Clock::TimePoint stream_broken_at{};
     uint64_t last_step = 0;
+    Clock::TimePoint step_changed{};  // when last_step last changed
     uint64_t epoch_seen = 0;
     std::vector<v1::CollectiveProgress> collectives;
     uint64_t replicated_epoch = 0;  // servers: HeartbeatRequest.replicated_epoch

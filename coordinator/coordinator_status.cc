@@ -106,9 +106,11 @@ void CoordinatorCore::FillMemberStatus(const Job& job, uint64_t id, const Member
   if (age > 2 * ToMs(job.spec.heartbeat_interval())) {
     s->set_health(v1::MEMBER_HEALTH_LATE);
   } else if (m.record.role() == v1::ROLE_WORKER && Alive(m) &&
-             ((straggler && straggler->named()) || job.step > m.last_step + 2)) {
-    // Named by the score, or stopped: more than 2 steps behind the job,
-    // which a synchronous job cannot be while the worker takes part.
+             ((straggler && straggler->named()) ||
+              (job.step > m.last_step + 2 && now - m.step_changed > 2 * ToMs(job.spec.heartbeat_interval())))) {
+    // Named by the score, or stopped: more than 2 steps behind the job with
+    // no step done in two heartbeat intervals (heartbeats sent at different
+    // moments of fast steps differ by a few steps without anyone stopping).
     s->set_health(v1::MEMBER_HEALTH_STRAGGLER);
   } else {
     s->set_health(v1::MEMBER_HEALTH_HEALTHY);

@@ -1228,6 +1228,33 @@ TEST_F(StragglerCoreTest, StepWaitsNameAStragglerInStatusAndStats) {
   EXPECT_EQ(core_->TakeStats().stragglers_drained, 0u);
 }
 
+// Without step_waits, a worker is a straggler when it stopped: more than 2
+// steps behind the job and no step done for two heartbeat intervals (1 s
+// each here). One merely a few steps behind in its last heartbeat, as
+// workers of fast steps are, is healthy.
+TEST_F(StragglerCoreTest, AWorkerThatStoppedIsAStragglerOneAFewStepsBehindIsNot) {
+  Start({}, 1);
+  ASSERT_TRUE(Beat(a_, 10).ok());
+  ASSERT_TRUE(Beat(b_, 10).ok());
+  ASSERT_TRUE(Beat(c_, 6).ok());
+  EXPECT_EQ(FindStatus(Status_(), c_.id)->health(), v1::MEMBER_HEALTH_HEALTHY) << "its step changed just now";
+  clock_.Advance(milliseconds(900));
+  ASSERT_TRUE(Beat(a_, 20).ok());
+  ASSERT_TRUE(Beat(b_, 20).ok());
+  ASSERT_TRUE(Beat(c_, 16).ok());
+  clock_.Advance(milliseconds(900));
+  ASSERT_TRUE(Beat(a_, 30).ok());
+  ASSERT_TRUE(Beat(b_, 30).ok());
+  ASSERT_TRUE(Beat(c_, 16).ok());  // stopped at 16
+  EXPECT_EQ(FindStatus(Status_(), c_.id)->health(), v1::MEMBER_HEALTH_HEALTHY) << "for less than two intervals";
+  clock_.Advance(milliseconds(1200));
+  ASSERT_TRUE(Beat(a_, 30).ok());
+  ASSERT_TRUE(Beat(b_, 30).ok());
+  ASSERT_TRUE(Beat(c_, 16).ok());
+  EXPECT_EQ(FindStatus(Status_(), c_.id)->health(), v1::MEMBER_HEALTH_STRAGGLER);
+  EXPECT_EQ(FindStatus(Status_(), a_.id)->health(), v1::MEMBER_HEALTH_HEALTHY);
+}
+
 TEST_F(StragglerCoreTest, DrainStragglersDrainsOneNamedForAWindowMore) {
   CoreOptions options;
   options.drain_stragglers = true;
