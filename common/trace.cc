@@ -43,7 +43,7 @@ struct Event {
   int64_t ts = 0;
   int64_t dur = -1;  // -1: an instant
   uint64_t step = 0;
-  Arg args[4] = {};
+  Arg args[kMaxArgs] = {};
   uint8_t nargs = 0;
   const char* text_key = nullptr;
   char text[32] = {};
@@ -135,7 +135,7 @@ Event Make(const char* name, const char* cat, int64_t ts, int64_t dur, uint64_t 
   e.dur = dur;
   e.step = step;
   for (const Arg& a : args) {
-    if (e.nargs == 4) break;
+    if (e.nargs == kMaxArgs) break;
     e.args[e.nargs++] = a;
   }
   if (text_key != nullptr) {

@@ -104,6 +104,9 @@ const std::string& ClockId();
 // a traced step (ps::SetCorrelation).
 uint64_t NewCorrelation();
 
+// The most number-valued arguments an event has.
+inline constexpr int kMaxArgs = 6;
+
 // A number-valued argument of an event. `key` must be a string literal (or
 // otherwise outlive the process).
 struct Arg {
@@ -112,7 +115,7 @@ struct Arg {
 };
 
 // A span [start, end] of `step` (0: not tied to a step) on the calling
-// thread. `name` and `cat` must be string literals. At most four args, and
+// thread. `name` and `cat` must be string literals. At most six args, and
 // one short text argument (`text_key`: `text`, cut to 31 bytes).
 void Complete(const char* name, const char* cat, int64_t start, int64_t end, uint64_t step,
               std::initializer_list<Arg> args = {}, const char* text_key = nullptr, std::string_view text = {});
@@ -137,7 +140,7 @@ void SetProcessInfo(std::string_view key, int64_t value);
 void RecordClockSample(std::string_view ref, int64_t t0, int64_t t1, int64_t t2, int64_t t3);
 
 // A span of `step` from construction to destruction (or End()), recorded only
-// when StepOn(step). Args added with Add (at most four).
+// when StepOn(step). Args added with Add (at most six).
 class Span {
  public:
   Span(const char* name, const char* cat, uint64_t step)
@@ -147,7 +150,7 @@ class Span {
   Span& operator=(const Span&) = delete;
   bool on() const { return on_; }
   void Add(const char* key, int64_t value) {
-    if (on_ && nargs_ < 4) args_[nargs_++] = {key, value};
+    if (on_ && nargs_ < kMaxArgs) args_[nargs_++] = {key, value};
   }
   void Text(const char* key, std::string_view text) {
     if (!on_) return;
@@ -162,7 +165,7 @@ class Span {
   uint64_t step_;
   bool on_;
   int64_t start_;
-  Arg args_[4] = {};
+  Arg args_[kMaxArgs] = {};
   int nargs_ = 0;
   const char* text_key_ = nullptr;
   std::string_view text_;

@@ -85,12 +85,19 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
   std::map<std::pair<int64_t, int64_t>, std::string> threads;  // (pid, tid) -> name
   std::map<std::pair<int64_t, int64_t>, std::vector<Slice>> slices;
   std::map<int64_t, std::vector<std::string>> flow_starts, flow_ends;  // id -> names
+  int reduce_scatters = 0, with_wait = 0, named_waits = 0;             // whom the node's reduce-scatters waited for
   std::map<int64_t, std::vector<double>> flow_times;                   // id -> ts of s, t..., f
   for (const auto& e : events->array) {
     const std::string ph = e.Str("ph");
     const auto key = std::make_pair(e.Int("pid"), e.Int("tid"));
     if (ph == "M" && e.Str("name") == "process_name") process[key.first] = e.Find("args")->Str("name");
     if (ph == "M" && e.Str("name") == "thread_name") threads[key] = e.Find("args")->Str("name");
+    if (ph == "X" && e.Str("name") == "reduce_scatter") {
+      ++reduce_scatters;
+      const cli::JValue* waited = e.Find("args")->Find("waited_for");
+      named_waits += waited != nullptr && waited->i >= 0;
+      with_wait += waited != nullptr;
+    }
     if (ph == "X") {
       const double ts = e.Find("ts")->d, dur = e.Find("dur")->d;
       slices[key].push_back({e.Str("name"), ts, ts + dur, static_cast<uint64_t>(e.Find("args")->Int("step"))});
@@ -99,6 +106,11 @@ TEST(TraceProcessTest, ATracedDemoRunMergesIntoOneLinkedTimeline) {
     if (ph == "s") flow_starts[e.Int("id")].push_back(e.Str("name"));
     if (ph == "f") flow_ends[e.Int("id")].push_back(e.Str("name"));
   }
+  // Every reduce-scatter says whom it waited for; the shared-memory backend
+  // (the nodes' groups) names the rank that entered last.
+  EXPECT_GT(reduce_scatters, 0);
+  EXPECT_EQ(with_wait, reduce_scatters);
+  EXPECT_GT(named_waits, 0);
   // A track per process, named by role, rank and node.
   std::map<std::string, int> roles;
   for (const auto& [pid, name] : process) {
