@@ -341,6 +341,11 @@ void ParameterStore::PushSync(PushIn& in, Part& part, v1::NonFinitePolicy policy
 void ParameterStore::PushAsync(PushIn& in, Part& part, const v1::ConsistencyConfig& consistency,
                                v1::NonFinitePolicy policy, uint32_t dp, uint64_t start_step) {
   const ps::Frame& h = in.h;
+  // Taking the push in (and applying it, in these modes) on the server's timeline.
+  trace::Span span("push", "ps", h.step);
+  span.Add("partition", h.partition);
+  span.Add("contributor", h.contributor);
+  span.Add("corr", static_cast<int64_t>(ps::Correlation(h)));
   MutexLock plock(&part.mu);
   Reply& reply = in.reply;
   const uint64_t epoch = in.epoch;
