@@ -63,7 +63,7 @@ struct StragglerOptions {
   // `recent` steps (a burst of noise earlier in the window does not name
   // anyone).
   size_t recent = 8;
-  size_t recent_late = 8;
+  size_t recent_late = 7;
 };
 
 // Who a member is in the latest epoch (for charging steps and for names).
