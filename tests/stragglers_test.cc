@@ -217,7 +217,9 @@ TEST(StragglersTest, AStragglerThatRecoversIsClearedAfterItsLateStepsFallBelowTh
   EXPECT_GT(cleared, 40u);
   // Cleared once fewer than 40% of the last 20 steps were late: 13 steps after the last slow one.
   EXPECT_EQ(cleared, 40u + 13);
-  EXPECT_FALSE(job.tracker.Status(4)->named());
+  // Not charged any more: no status (a score of 0), or one not named.
+  const auto st = job.tracker.Status(4);
+  EXPECT_TRUE(!st.has_value() || !st->named());
 }
 
 TEST(StragglersTest, ItStaysNamedThroughAFewFastSteps) {
@@ -241,6 +243,7 @@ TEST(StragglersTest, ItStaysNamedThroughAFewFastSteps) {
     changes += job.Evaluate(step).size();
   }
   EXPECT_EQ(changes, 1u) << "67% is enough to stay named";
+  ASSERT_TRUE(job.tracker.Status(4).has_value());
   EXPECT_TRUE(job.tracker.Status(4)->named());
 }
 
