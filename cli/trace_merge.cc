@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <sstream>
 #include <unordered_map>
@@ -263,28 +264,17 @@ std::string Svg(const std::vector<std::pair<std::string, std::map<uint64_t, Brea
   return out;
 }
 
-}  // namespace
+// The track id of a thread: recorded ids as they are, the recorder's
+// negative ones (tracks of their own, e.g. a partition's aggregation) after them.
+int64_t TrackTid(int64_t tid) {
+  return tid < 0 ? 900000000 - tid : tid;
+}
 
-Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
-  namespace fs = std::filesystem;
-  TraceMergeReport report;
-  std::error_code ec;
-  if (!fs::is_directory(options.dir, ec)) return NotFound("trace directory '{}' does not exist", options.dir);
-  std::vector<fs::path> files;
-  for (const auto& entry : fs::directory_iterator(options.dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.size() > 12 && name.ends_with(".trace.jsonl")) files.push_back(entry.path());
-  }
-  std::sort(files.begin(), files.end());
-  if (files.empty()) {
-    return NotFound("no trace files (*.trace.jsonl) in '{}': was the run started with --trace {}?", options.dir,
-                    options.dir);
-  }
-  std::vector<ProcessTrace> procs;
-  for (const auto& f : files) {
-    TANDEM_ASSIGN_OR_RETURN(ProcessTrace p, ReadTrace(f, &report.warnings));
-    procs.push_back(std::move(p));
-  }
+using Emit = std::function<void(const std::string&)>;
+
+// The clock the merged trace is on: the one most processes measured
+// themselves against (or, with none, the host's when all ran on one).
+std::string ChooseReference(const std::vector<ProcessTrace>& procs, std::vector<std::string>* warnings) {
   // The reference: the clock most processes measured themselves against.
   std::map<std::string, size_t> votes;
   for (const auto& p : procs) {
@@ -304,12 +294,17 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     for (const auto& p : procs) clocks.insert(p.Info("clock"));
     reference = *clocks.begin();
     if (clocks.size() > 1) {
-      report.warnings.push_back(
+      warnings->push_back(
           "no process measured its clock against a reference, and the processes ran on different hosts: their "
           "times are not aligned");
     }
   }
-  report.reference = reference;
+  return reference;
+}
+
+// Each process's offset onto the reference clock, with its row of the report.
+std::vector<int64_t> AlignClocks(const std::vector<ProcessTrace>& procs, const std::string& reference,
+                                 TraceMergeReport& report) {
   // The reference's own trace (the coordinator's, when it was traced): a
   // process on the reference clock that measured no other.
   const ProcessTrace* reference_trace = nullptr;
@@ -321,7 +316,7 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
   }
   std::vector<int64_t> offsets(procs.size(), 0);
   for (size_t i = 0; i < procs.size(); ++i) {
-    ProcessTrace& p = procs[i];
+    const ProcessTrace& p = procs[i];
     TraceMergeReport::Process rp;
     rp.file = p.file;
     rp.name = p.Info("name");
@@ -354,28 +349,12 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     report.events += p.events.size();
     report.processes.push_back(std::move(rp));
   }
-  // Times: on the reference clock, from the earliest event.
-  int64_t origin = INT64_MAX;
-  for (size_t i = 0; i < procs.size(); ++i) {
-    for (const auto& e : procs[i].events) origin = std::min(origin, e.ts + offsets[i]);
-  }
-  if (origin == INT64_MAX) origin = 0;
-  // Track order: by role and rank; pids are positions (real pids may repeat across hosts).
-  std::vector<size_t> order(procs.size());
-  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](size_t a, size_t b) { return SortKey(procs[a]) < SortKey(procs[b]); });
-  const auto tid_of = [](int64_t tid) { return tid < 0 ? 900000000 - tid : tid; };
+  return offsets;
+}
 
-  std::ofstream out(options.output, std::ios::trunc);
-  if (!out) return Unavailable("cannot write '{}': {}", options.output, std::strerror(errno));
-  out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
-  bool first_line = true;
-  const auto emit = [&](const std::string& line) {
-    if (!first_line) out << ",\n";
-    first_line = false;
-    out << line;
-  };
+// Each process's track (in `order`): its name, threads, spans and instants.
+void EmitTracks(const std::vector<ProcessTrace>& procs, const std::vector<size_t>& order,
+                const std::vector<int64_t>& offsets, int64_t origin, const Emit& emit) {
   for (size_t k = 0; k < order.size(); ++k) {
     const size_t i = order[k];
     const ProcessTrace& p = procs[i];
@@ -392,28 +371,32 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     for (int64_t tid : tids) {
       auto it = p.threads.find(tid);
       std::string name = it != p.threads.end() && !it->second.empty() ? it->second : fmt::format("thread {}", tid);
-      emit(fmt::format(R"({{"ph":"M","pid":{},"tid":{},"name":"thread_name","args":{{"name":{}}}}})", pid, tid_of(tid),
-                       JsonQuote(name)));
+      emit(fmt::format(R"({{"ph":"M","pid":{},"tid":{},"name":"thread_name","args":{{"name":{}}}}})", pid,
+                       TrackTid(tid), JsonQuote(name)));
       emit(fmt::format(R"({{"ph":"M","pid":{},"tid":{},"name":"thread_sort_index","args":{{"sort_index":{}}}}})", pid,
-                       tid_of(tid), tid < 0 ? 100 - tid : ThreadOrder(name)));
+                       TrackTid(tid), tid < 0 ? 100 - tid : ThreadOrder(name)));
     }
     for (const auto& e : p.events) {
       const int64_t ts = e.ts + offsets[i] - origin;
       const std::string cat = e.json.Str("cat");
       if (e.ph == 'X') {
         emit(fmt::format(R"({{"ph":"X","pid":{},"tid":{},"name":{},"cat":{},"ts":{},"dur":{},"args":{}}})", pid,
-                         tid_of(e.tid), JsonQuote(e.name), JsonQuote(cat), Us(ts), Us(e.dur), ArgsJson(e)));
+                         TrackTid(e.tid), JsonQuote(e.name), JsonQuote(cat), Us(ts), Us(e.dur), ArgsJson(e)));
       } else {
         emit(fmt::format(R"({{"ph":"i","s":"{}","pid":{},"tid":{},"name":{},"cat":{},"ts":{},"args":{}}})",
-                         cat == "membership" ? 'p' : 't', pid, tid_of(e.tid), JsonQuote(e.name), JsonQuote(cat), Us(ts),
-                         ArgsJson(e)));
+                         cat == "membership" ? 'p' : 't', pid, TrackTid(e.tid), JsonQuote(e.name), JsonQuote(cat),
+                         Us(ts), ArgsJson(e)));
       }
     }
   }
-  // Flows: a worker's push -> the server taking it in -> the server's update
-  // of that partition and step; the server taking it in -> the worker
-  // getting the acknowledgement; a pull -> the server receiving it -> its
-  // answer -> the worker getting the parameters.
+}
+
+// Flows: a worker's push -> the server taking it in -> the server's update
+// of that partition and step; the server taking it in -> the worker getting
+// the acknowledgement; a pull -> the server receiving it -> its answer -> the
+// worker getting the parameters. Counts the pushes and links in `report`.
+void EmitFlows(const std::vector<ProcessTrace>& procs, const std::vector<int64_t>& offsets, int64_t origin,
+               const Emit& emit, TraceMergeReport& report) {
   struct Where {
     int pid;
     int64_t tid;
@@ -425,7 +408,7 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     const int pid = static_cast<int>(i) + 1;
     const bool server = procs[i].Info("role") == "server";
     for (const auto& e : procs[i].events) {
-      const Where w{pid, tid_of(e.tid), e.ts + offsets[i] - origin};
+      const Where w{pid, TrackTid(e.tid), e.ts + offsets[i] - origin};
       const int64_t corr = ArgInt(e, "corr", 0);
       if (server && e.name == "push" && corr != 0) server_push[corr] = w;
       if (server && e.name == "pull_recv" && corr != 0) pull_recv[corr] = w;
@@ -452,7 +435,7 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
     for (const auto& e : procs[i].events) {
       const int64_t corr = ArgInt(e, "corr", 0);
       if (corr == 0 || e.ph != 'X') continue;
-      const Where here{pid, tid_of(e.tid), e.ts + offsets[i] - origin};
+      const Where here{pid, TrackTid(e.tid), e.ts + offsets[i] - origin};
       if (e.name == "push") {
         ++report.pushes;
         auto got = server_push.find(corr);
@@ -475,7 +458,96 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
       }
     }
   }
-  out << "\n],\"otherData\":{\"generator\":\"tandem trace merge\",\"reference_clock\":" << JsonQuote(reference)
+}
+
+// Each traced worker's steps, split into what their time went to (the SVG's rows).
+std::vector<std::pair<std::string, std::map<uint64_t, Breakdown>>> StepRows(const std::vector<ProcessTrace>& procs,
+                                                                            const std::vector<size_t>& order) {
+  std::vector<std::pair<std::string, std::map<uint64_t, Breakdown>>> rows;
+  for (size_t i : order) {
+    const ProcessTrace& p = procs[i];
+    if (p.Info("role") != "worker") continue;
+    std::map<uint64_t, Breakdown> steps;
+    for (const auto& e : p.events) {
+      if (e.ph != 'X' || e.step == 0) continue;
+      const double s = static_cast<double>(e.dur) * 1e-9;
+      Breakdown& b = steps[e.step];
+      if (e.name == "step")
+        b.step += s;
+      else if (e.name == "forward" || e.name == "backward")
+        b.compute += s;
+      else if (e.name == "param_wait") {  // inside a forward: waiting, not computing
+        b.compute -= s;
+        b.wait += s;
+      } else if (e.name == "end_step_wait")
+        b.wait += s;
+      else if (e.name == "reduce_scatter")
+        b.reduce_scatter += s;
+      else if (e.name == "push" || e.name == "push_wait")
+        b.push += s;
+      else if (e.name == "pull_wait")
+        b.pull += s;
+      else if (e.name == "all_gather" || e.name == "gather")
+        b.all_gather += s;
+      else if (e.name == "allreduce" || e.name == "loss_allreduce")
+        b.other += s;
+    }
+    std::erase_if(steps, [](const auto& kv) { return kv.second.step <= 0; });
+    if (steps.empty()) continue;
+    std::string label = p.Info("name");
+    if (p.rank >= 0) label = fmt::format("rank {} ({})", p.rank, label);
+    rows.emplace_back(label, std::move(steps));
+  }
+  return rows;
+}
+
+}  // namespace
+
+Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
+  namespace fs = std::filesystem;
+  TraceMergeReport report;
+  std::error_code ec;
+  if (!fs::is_directory(options.dir, ec)) return NotFound("trace directory '{}' does not exist", options.dir);
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(options.dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 12 && name.ends_with(".trace.jsonl")) files.push_back(entry.path());
+  }
+  std::sort(files.begin(), files.end());
+  if (files.empty()) {
+    return NotFound("no trace files (*.trace.jsonl) in '{}': was the run started with --trace {}?", options.dir,
+                    options.dir);
+  }
+  std::vector<ProcessTrace> procs;
+  for (const auto& f : files) {
+    TANDEM_ASSIGN_OR_RETURN(ProcessTrace p, ReadTrace(f, &report.warnings));
+    procs.push_back(std::move(p));
+  }
+  report.reference = ChooseReference(procs, &report.warnings);
+  const std::vector<int64_t> offsets = AlignClocks(procs, report.reference, report);
+  // Times: on the reference clock, from the earliest event.
+  int64_t origin = INT64_MAX;
+  for (size_t i = 0; i < procs.size(); ++i) {
+    for (const auto& e : procs[i].events) origin = std::min(origin, e.ts + offsets[i]);
+  }
+  if (origin == INT64_MAX) origin = 0;
+  // Track order: by role and rank; pids are positions (real pids may repeat across hosts).
+  std::vector<size_t> order(procs.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return SortKey(procs[a]) < SortKey(procs[b]); });
+  std::ofstream out(options.output, std::ios::trunc);
+  if (!out) return Unavailable("cannot write '{}': {}", options.output, std::strerror(errno));
+  out << "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n";
+  bool first_line = true;
+  const auto emit = [&](const std::string& line) {
+    if (!first_line) out << ",\n";
+    first_line = false;
+    out << line;
+  };
+  EmitTracks(procs, order, offsets, origin, emit);
+  EmitFlows(procs, offsets, origin, emit, report);
+  out << "\n],\"otherData\":{\"generator\":\"tandem trace merge\",\"reference_clock\":" << JsonQuote(report.reference)
       << ",\"processes\":[";
   for (size_t i = 0; i < report.processes.size(); ++i) {
     const auto& rp = report.processes[i];
@@ -487,41 +559,7 @@ Result<TraceMergeReport> MergeTraces(const TraceMergeOptions& options) {
   if (!out.flush()) return Unavailable("cannot write '{}'", options.output);
 
   if (!options.svg.empty()) {
-    std::vector<std::pair<std::string, std::map<uint64_t, Breakdown>>> rows;
-    for (size_t i : order) {
-      const ProcessTrace& p = procs[i];
-      if (p.Info("role") != "worker") continue;
-      std::map<uint64_t, Breakdown> steps;
-      for (const auto& e : p.events) {
-        if (e.ph != 'X' || e.step == 0) continue;
-        const double s = static_cast<double>(e.dur) * 1e-9;
-        Breakdown& b = steps[e.step];
-        if (e.name == "step")
-          b.step += s;
-        else if (e.name == "forward" || e.name == "backward")
-          b.compute += s;
-        else if (e.name == "param_wait") {  // inside a forward: waiting, not computing
-          b.compute -= s;
-          b.wait += s;
-        } else if (e.name == "end_step_wait")
-          b.wait += s;
-        else if (e.name == "reduce_scatter")
-          b.reduce_scatter += s;
-        else if (e.name == "push" || e.name == "push_wait")
-          b.push += s;
-        else if (e.name == "pull_wait")
-          b.pull += s;
-        else if (e.name == "all_gather" || e.name == "gather")
-          b.all_gather += s;
-        else if (e.name == "allreduce" || e.name == "loss_allreduce")
-          b.other += s;
-      }
-      std::erase_if(steps, [](const auto& kv) { return kv.second.step <= 0; });
-      if (steps.empty()) continue;
-      std::string label = p.Info("name");
-      if (p.rank >= 0) label = fmt::format("rank {} ({})", p.rank, label);
-      rows.emplace_back(label, std::move(steps));
-    }
+    const auto rows = StepRows(procs, order);
     const std::string svg = Svg(rows);
     if (svg.empty()) {
       report.warnings.push_back("no worker step was traced: no step breakdown to draw");
