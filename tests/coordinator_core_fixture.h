@@ -107,6 +107,17 @@ class CoreTest : public ::testing::Test {
     core_->Tick();
   }
 
+  // Server `server` (named `name`) misses its heartbeat deadline, the epoch
+  // without it is acknowledged, and it registers again; returns it once the
+  // join window closed (the join epoch published, not acknowledged).
+  M RestartServer(const M& server, const std::string& name, const M& worker) {
+    TickWithout(milliseconds(3100), {server.id});
+    AckAll(Latest(worker));
+    const M back = Join(name, v1::ROLE_SERVER);
+    Tick(milliseconds(600));
+    return back;
+  }
+
   Status Beat(const M& m, uint64_t step = 0) {
     v1::HeartbeatRequest r;
     r.set_job_id("j");

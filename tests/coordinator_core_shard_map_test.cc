@@ -115,10 +115,7 @@ TEST_F(CoreTest, AServerBackAmongThreeGetsBackupsThenPrimaries) {
   const M s2 = Join("s2", v1::ROLE_SERVER);
   const M w = Join("n0");
   AckAll(Latest(w));
-  TickWithout(milliseconds(3100), {s2.id});
-  AckAll(Latest(w));
-  const M back = Join("s2", v1::ROLE_SERVER);
-  Tick(milliseconds(600));
+  const M back = RestartServer(s2, "s2", w);
   auto e = Latest(w);
   ASSERT_EQ(e.cause(), v1::EPOCH_CAUSE_JOIN);
   auto held = [](const v1::ShardMap& map, uint64_t id) {
@@ -175,10 +172,7 @@ TEST_F(CoreTest, NoRebalanceWhileAMemberJoins) {
   const M s1 = Join("s1", v1::ROLE_SERVER);
   const M w = Join("n0");
   AckAll(Latest(w));
-  TickWithout(milliseconds(3100), {s1.id});
-  AckAll(Latest(w));
-  const M back = Join("s1", v1::ROLE_SERVER);
-  Tick(milliseconds(600));
+  const M back = RestartServer(s1, "s1", w);
   auto e = Latest(w);
   ASSERT_EQ(e.epoch(), 3u);
   AckAll(e);
